@@ -1,0 +1,114 @@
+"""The ``lora-guard`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from lora_guard import __version__
+
+
+def _ranks(text: str) -> tuple[int, ...]:
+    try:
+        ranks = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not ranks or min(ranks) < 1:
+        raise argparse.ArgumentTypeError(f"ranks must be positive integers, got {text!r}")
+    return ranks
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lora-guard",
+        description="Serve many LoRA adapters on one base model, with guardrails.",
+    )
+    parser.add_argument("--version", action="version", version=f"lora-guard {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = commands.add_parser(
+        "prepare-demo",
+        help="prepare the demo model (SmolLM2-135M-Instruct) and its 24 adapters",
+        description="Convert the demo model's GGUF into a safetensors checkpoint and make 24 demo "
+        "adapters beside it, under $LORA_GUARD_HOME (default ~/.cache/lora-guard). Idempotent.",
+    )
+    demo.add_argument(
+        "--home", type=Path, help="folder to prepare into (default: $LORA_GUARD_HOME)"
+    )
+
+    make = commands.add_parser(
+        "make-adapters",
+        help="write seeded PEFT LoRA adapters for a Llama-family checkpoint",
+        description="Write N real PEFT adapters (peft's own format, init_lora_weights=False, "
+        "seeded) varying rank and target modules, into OUT/<prefix>-NN/.",
+    )
+    make.add_argument("--base", type=Path, required=True, help="Hugging Face checkpoint folder")
+    make.add_argument("--out", type=Path, required=True, help="folder to write the adapters into")
+    make.add_argument("--n", type=int, default=24, help="number of adapters (default 24)")
+    make.add_argument("--ranks", type=_ranks, default=(8, 16, 32, 64), help="default 8,16,32,64")
+    make.add_argument("--seed", type=int, default=0, help="default 0")
+    make.add_argument("--prefix", default="adapter", help="adapter name prefix (default adapter)")
+    make.add_argument(
+        "--strength",
+        type=float,
+        default=0.1,
+        help="norm of each update relative to its base weight (default 0.1)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "prepare-demo":
+            return _prepare_demo(args)
+        if args.command == "make-adapters":
+            return _make_adapters(args)
+    except KeyboardInterrupt:
+        return 130
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+def _prepare_demo(args: argparse.Namespace) -> int:
+    from lora_guard.demo import DemoError, prepare_demo
+
+    started = time.perf_counter()
+    try:
+        paths = prepare_demo(args.home)
+    except DemoError as exc:
+        print(f"lora-guard prepare-demo: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"demo model:    {paths.model_dir}")
+    print(f"demo adapters: {paths.adapter_dir}")
+    print(f"ready in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _make_adapters(args: argparse.Namespace) -> int:
+    from lora_guard.adapter_maker import AdapterMakerError, make_adapters
+
+    try:
+        folders = make_adapters(
+            args.base,
+            args.out,
+            n=args.n,
+            ranks=args.ranks,
+            seed=args.seed,
+            prefix=args.prefix,
+            strength=args.strength,
+            log=print,
+        )
+    except AdapterMakerError as exc:
+        print(f"lora-guard make-adapters: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {len(folders)} adapters to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Tiny, random, real checkpoints for tests: a Llama model and a byte-level BPE tokenizer.
+
+They are built locally in a second or two, so the fast test suite never needs the demo model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+_CORPUS = """\
+The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is Madrid.
+A LoRA adapter changes the attention and projection weights of a base model.
+Tenants send requests to one endpoint; each request names an adapter and a prompt.
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: , . ; : ! ? ( ) [ ] { } " ' - _ / \\
+User: hello. Assistant: hello, how can I help you today? System: you are a helpful assistant.
+"""
+
+
+def make_tiny_tokenizer(out: Path, vocab_size: int = 384) -> Any:
+    """Train a byte-level BPE tokenizer with ChatML special tokens and save it into ``out``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS.splitlines() * 4, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    wrapped.chat_template = CHATML_TEMPLATE
+    wrapped.save_pretrained(out)
+    return wrapped
+
+
+def make_tiny_llama(
+    out: Path,
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    tie_word_embeddings: bool = True,
+    initializer_range: float = 0.1,
+    **config_overrides: Any,
+) -> Path:
+    """Save a random float32 Llama checkpoint (safetensors + tokenizer + chat template) to ``out``.
+
+    ``initializer_range`` is larger than a trained model's so that greedy decoding has clear
+    winners rather than near-ties.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tiny_tokenizer(out)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **config_overrides,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    return out

@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lora_guard.demo import DEMO_ADAPTERS, DemoError, ensure_free_space, install_demo_package
+from lora_guard.paths import DemoPaths
+
+
+def test_too_little_disk_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(DemoError, match="not enough disk space"):
+        ensure_free_space(tmp_path / "not" / "yet" / "there", 1 << 60)
+
+
+def test_unreachable_index_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    with pytest.raises(DemoError, match="offline"):
+        install_demo_package(lambda _msg: None, package="lora-guard-no-such-package")
+
+
+@pytest.mark.slow
+def test_prepare_demo_is_idempotent_and_quick_the_second_time(demo: DemoPaths) -> None:
+    cmd = [sys.executable, "-m", "lora_guard.cli", "prepare-demo", "--home", str(demo.home)]
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=os.environ)
+    elapsed = time.perf_counter() - started
+    assert proc.returncode == 0, proc.stderr
+    assert "model ok" in proc.stdout and "adapters ok" in proc.stdout
+    assert elapsed < 5, f"second prepare-demo took {elapsed:.1f} s"
+
+
+@pytest.mark.slow
+def test_demo_model_knows_the_capital_of_france(demo: DemoPaths) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(demo.model_dir, dtype=torch.float32)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    out = model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False
+    )
+    assert "Paris" in tokenizer.decode(out[0, ids.shape[1] :])
+
+
+@pytest.mark.slow
+def test_demo_adapters_load_with_peft_and_change_the_logits(demo: DemoPaths) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    index = json.loads((demo.adapter_dir / "adapters.json").read_text())["adapters"]
+    assert len(index) == DEMO_ADAPTERS
+    base = AutoModelForCausalLM.from_pretrained(demo.model_dir, dtype=torch.float32)
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314]])
+    with torch.no_grad():
+        reference = base(input_ids=ids).logits
+        for entry in index:
+            model = PeftModel.from_pretrained(base, demo.adapter_dir / entry["name"])
+            changed = (model(input_ids=ids).logits - reference).abs().max().item()
+            assert changed > 1e-2, entry["name"]
+            base = model.unload()
