@@ -2,6 +2,20 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+
+if TYPE_CHECKING:
+    from lora_guard.engine import LLM, RequestOutput, SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    # The engine imports torch; keep `import lora_guard` (and the CLI's start) light.
+    if name in ("LLM", "RequestOutput", "SamplingParams"):
+        from lora_guard import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'lora_guard' has no attribute {name!r}")

@@ -1,0 +1,24 @@
+"""The bundled reference engine: paged KV, continuous batching, multi-LoRA slots."""
+
+from __future__ import annotations
+
+from lora_guard.engine.config import ConfigError, EngineConfig, parse_memory
+from lora_guard.engine.llm import LLM
+from lora_guard.engine.llm_engine import LLMEngine, RequestError, RequestOutput
+from lora_guard.engine.lora import AdapterError
+from lora_guard.engine.model import ModelLoadError
+from lora_guard.engine.sampling import InvalidParams, SamplingParams
+
+__all__ = [
+    "LLM",
+    "AdapterError",
+    "ConfigError",
+    "EngineConfig",
+    "InvalidParams",
+    "LLMEngine",
+    "ModelLoadError",
+    "RequestError",
+    "RequestOutput",
+    "SamplingParams",
+    "parse_memory",
+]

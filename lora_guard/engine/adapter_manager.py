@@ -1,0 +1,169 @@
+"""Which adapter sits in which device slot, and how a request gets its adapter bound.
+
+Three tiers: device slots (hot), host memory (warm), the adapter's folder on disk (cold). A cold
+adapter is read on the loader thread; the request waits for it without holding up others.
+``choose_slot`` is where adapter-load decisions are made (default: a free slot, else the least
+recently used slot that no running request holds).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lora_guard.engine.lora import (
+    AdapterError,
+    AdapterLoader,
+    HostCache,
+    LoRAAdapter,
+    SlotPool,
+)
+
+
+class Lookup(str, enum.Enum):
+    HOT = "hot"
+    WARM = "warm"
+    COLD = "cold"
+
+
+@dataclass(slots=True)
+class Binding:
+    """A request's adapter is in ``slot``; ``content_hash`` names the weights it holds."""
+
+    slot: int
+    content_hash: str
+
+
+@dataclass(slots=True)
+class SlotState:
+    adapter_id: str | None = None
+    content_hash: str | None = None
+    refs: int = 0
+    last_used: float = 0.0
+
+
+@dataclass
+class AdapterStats:
+    lookups: dict[Lookup, int] = field(default_factory=lambda: dict.fromkeys(Lookup, 0))
+    loads: int = 0
+    failures: int = 0
+    evictions: int = 0
+    swap_ms: list[float] = field(default_factory=list)
+
+
+class AdapterManager:
+    def __init__(
+        self,
+        pool: SlotPool,
+        host: HostCache,
+        loader: AdapterLoader,
+        registry: dict[str, Path] | None = None,
+    ) -> None:
+        self.pool, self.host, self.loader = pool, host, loader
+        self.registry: dict[str, Path] = dict(registry or {})
+        self.slots = [SlotState() for _ in range(pool.num_slots)]
+        self.stats = AdapterStats()
+        self._load_started: dict[str, float] = {}
+        self._waiting_cold: set[str] = set()
+
+    # registry
+    def register(self, adapter_id: str, path: Path) -> None:
+        """Add or replace an adapter; a replaced one is read again from disk on its next use."""
+        self.registry[adapter_id] = Path(path)
+        self.host.drop(adapter_id)
+        for state in self.slots:
+            if state.adapter_id == adapter_id:
+                state.content_hash = None  # stale: running requests keep it, new ones reload
+
+    def unregister(self, adapter_id: str) -> None:
+        self.registry.pop(adapter_id, None)
+        self.host.drop(adapter_id)
+        for slot, state in enumerate(self.slots):
+            if state.adapter_id == adapter_id and state.refs == 0:
+                self._evict(slot)
+
+    def knows(self, adapter_id: str) -> bool:
+        return adapter_id in self.registry
+
+    def slot_of(self, adapter_id: str) -> int | None:
+        for slot, state in enumerate(self.slots):
+            if state.adapter_id == adapter_id and state.content_hash is not None:
+                return slot
+        return None
+
+    # binding
+    def acquire(self, adapter_id: str) -> Binding | None:
+        """Bind a request to ``adapter_id``; None means wait (a load is under way or no slot is
+        free). Raises :class:`AdapterError` when the adapter is unknown or failed to load."""
+        now = time.perf_counter()
+        slot = self.slot_of(adapter_id)
+        if slot is not None:
+            self.stats.lookups[Lookup.HOT] += 1
+            return self._bind(slot, now)
+        adapter = self.host.get(adapter_id)
+        if adapter is None:
+            if adapter_id not in self.registry:
+                raise AdapterError(f"adapter {adapter_id!r} is not known")
+            if adapter_id not in self.loader.pending:
+                self.stats.lookups[Lookup.COLD] += 1
+                self._load_started[adapter_id] = now
+                self.loader.submit(adapter_id, self.registry[adapter_id])
+            return None
+        slot = self.choose_slot()
+        if slot is None:
+            return None
+        started = self._load_started.pop(adapter_id, None)
+        if started is None:
+            self.stats.lookups[Lookup.WARM] += 1
+            started = now
+        self._evict(slot)
+        self.pool.load(slot, adapter)
+        self.slots[slot] = SlotState(adapter_id, adapter.content_hash, 0, now)
+        self.stats.loads += 1
+        self.stats.swap_ms.append((time.perf_counter() - started) * 1000)
+        return self._bind(slot, now)
+
+    def release(self, slot: int) -> None:
+        state = self.slots[slot]
+        state.refs -= 1
+        assert state.refs >= 0, f"slot {slot} released twice"
+
+    def choose_slot(self) -> int | None:
+        """The slot a warm adapter goes into: a free one, else the least recently used idle one."""
+        idle = [s for s, state in enumerate(self.slots) if state.refs == 0]
+        if not idle:
+            return None
+        free = [s for s in idle if self.slots[s].adapter_id is None]
+        return free[0] if free else min(idle, key=lambda s: self.slots[s].last_used)
+
+    def poll(self) -> dict[str, AdapterError]:
+        """Move finished loads to the host tier; return the adapters whose load failed."""
+        failed = {}
+        for adapter_id, result in self.loader.collect():
+            if isinstance(result, LoRAAdapter):
+                if self.registry.get(adapter_id) == result.path:
+                    self.host.put(result)
+            else:
+                self._load_started.pop(adapter_id, None)
+                self.stats.failures += 1
+                failed[adapter_id] = result
+        return failed
+
+    def _bind(self, slot: int, now: float) -> Binding:
+        state = self.slots[slot]
+        state.refs += 1
+        state.last_used = now
+        assert state.content_hash is not None
+        return Binding(slot, state.content_hash)
+
+    def _evict(self, slot: int) -> None:
+        state = self.slots[slot]
+        if state.adapter_id is not None:
+            self.stats.evictions += 1
+        self.pool.clear(slot)
+        self.slots[slot] = SlotState()
+
+    def num_held_slots(self) -> int:
+        return sum(state.refs for state in self.slots)

@@ -1,0 +1,224 @@
+"""Paged KV cache: one preallocated pool of fixed-size blocks, block tables, prefix caching.
+
+A full block is keyed by a chained hash of (parent key, namespace, its token ids). The namespace
+keeps blocks of different adapters (and, by policy, tenants) apart: the default is
+(base model id, adapter id, adapter content hash). Every hit is verified against the block's
+recorded namespace and tokens; a mismatch is a conflict and is never reused. Free blocks that
+still hold cached content are reused least-recently-freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from lora_guard.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    key: int | None = None
+    token_ids: tuple[int, ...] = ()
+    namespace: Hashable = None
+
+
+def block_key(parent: int | None, namespace: Hashable, token_ids: tuple[int, ...]) -> int:
+    return hash(("lora-guard/kv/v1", parent, namespace, token_ids))
+
+
+@dataclass(slots=True)
+class CacheStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    conflicts: int = 0
+    copies_on_write: int = 0
+
+
+ReuseCheck = Callable[[Block, Hashable], bool]
+
+
+@dataclass
+class KVCache:
+    """The KV tensors: per layer, keys and values of ``num_blocks * block_size`` token slots."""
+
+    k: torch.Tensor  # [layers, num_blocks * block_size, kv_heads, head_dim]
+    v: torch.Tensor
+
+    @classmethod
+    def zeros(
+        cls,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVCache:
+        shape = (num_layers, num_blocks * block_size, kv_heads, head_dim)
+        return cls(
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return 2 * num_layers * block_size * kv_heads * head_dim * dtype.itemsize
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def copy_block(self, src: int, dst: int, block_size: int) -> None:
+        s = slice(src * block_size, (src + 1) * block_size)
+        d = slice(dst * block_size, (dst + 1) * block_size)
+        self.k[:, d] = self.k[:, s]
+        self.v[:, d] = self.v[:, s]
+
+
+@dataclass
+class BlockManager:
+    """Owns the block pool's bookkeeping; the tensors live in :class:`KVCache`."""
+
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = True
+    may_reuse: ReuseCheck | None = None
+    stats: CacheStats = field(default_factory=CacheStats)
+
+    def __post_init__(self) -> None:
+        self.blocks = [Block(i) for i in range(self.num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(self.num_blocks))
+        self.cached: dict[int, int] = {}
+        self.pending_copies: list[tuple[int, int]] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # prefix cache
+    def _find_prefix(self, seq: Sequence, *, record: bool) -> list[int]:
+        """Cached blocks that hold a prefix of ``seq``'s tokens in its namespace."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        bs, parent, tokens = self.block_size, None, seq.token_ids
+        for i in range(len(tokens) // bs):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            key = block_key(parent, seq.cache_namespace, chunk)
+            block_id = self.cached.get(key)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            refused = block.token_ids != chunk or block.namespace != seq.cache_namespace
+            if not refused and self.may_reuse is not None:
+                refused = not self.may_reuse(block, seq.cache_namespace)
+            if refused:
+                self.stats.conflicts += record
+                break
+            hits.append(block_id)
+            parent = key
+        return hits
+
+    def can_allocate(self, seq: Sequence, max_new_tokens: int) -> bool:
+        """Whether ``seq`` (holding no blocks yet) can start, computing up to ``max_new_tokens``
+        tokens past its cached prefix in this step."""
+        hits = self._find_prefix(seq, record=False)
+        cached = len(hits) * self.block_size
+        copy_on_write = int(cached == len(seq.token_ids))
+        cached -= copy_on_write
+        num_new = min(len(seq.token_ids) - cached, max_new_tokens)
+        needed = self.blocks_for(cached + num_new) - len(hits) + copy_on_write
+        reclaimable = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return self.num_free_blocks - reclaimable >= needed
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give ``seq`` its cached prefix blocks; it computes from the first uncached token."""
+        assert not seq.block_table
+        hits = self._find_prefix(seq, record=True)
+        for block_id in hits:
+            self._take(block_id)
+        seq.block_table = list(hits)
+        cached = len(hits) * self.block_size
+        self.stats.queried_tokens += len(seq.token_ids)
+        if cached == len(seq.token_ids):
+            # Every token is cached, but the last one must run again for its logits, which writes
+            # its KV into the last block: copy that shared block first.
+            cached -= 1
+            src = seq.block_table[-1]
+            dst = self._fresh_block()
+            self.pending_copies.append((src, dst))
+            self._release(src)
+            seq.block_table[-1] = dst
+            self.stats.copies_on_write += 1
+        self.stats.hit_tokens += cached
+        seq.num_computed_tokens = seq.num_cached_tokens = cached
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return self.num_free_blocks >= needed
+
+    def append(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow ``seq``'s block table to hold ``num_new_tokens`` more tokens."""
+        needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        for _ in range(needed):
+            seq.block_table.append(self._fresh_block())
+
+    def commit(self, seq: Sequence) -> None:
+        """Publish the blocks ``seq`` has filled completely, so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        bs, full = self.block_size, seq.num_computed_tokens // self.block_size
+        while len(seq.block_keys) < full:
+            i = len(seq.block_keys)
+            chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            parent = seq.block_keys[-1] if seq.block_keys else None
+            key = block_key(parent, seq.cache_namespace, chunk)
+            seq.block_keys.append(key)
+            block = self.blocks[seq.block_table[i]]
+            if block.key is None and key not in self.cached:
+                block.key, block.token_ids, block.namespace = key, chunk, seq.cache_namespace
+                self.cached[key] = block.block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks, tail first, so a prefix stays cached longest."""
+        for block_id in reversed(seq.block_table):
+            self._release(block_id)
+        seq.block_table = []
+        seq.block_keys = []
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} released twice"
+        if block.ref_count == 0:
+            self._free[block_id] = None
+
+    def _fresh_block(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.key is not None and self.cached.get(block.key) == block_id:
+            del self.cached[block.key]
+        block.key, block.token_ids, block.namespace = None, (), None
+        block.ref_count = 1
+        return block_id

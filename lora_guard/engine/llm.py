@@ -1,0 +1,123 @@
+"""``lora_guard.LLM``: offline batches on the engine."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as SequenceOf
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lora_guard.engine.config import EngineConfig
+from lora_guard.engine.llm_engine import LLMEngine, RequestOutput
+from lora_guard.engine.sampling import SamplingParams
+
+_IDLE_WAIT_S = 0.001
+
+
+class LLM:
+    """A base model with LoRA adapters, for batches of prompts.
+
+    :param model: Hugging Face checkpoint folder (safetensors weights, tokenizer).
+    :param adapter_dir: folder whose subfolders are PEFT adapters; the id is the folder name.
+    :param adapters: more adapters, ``{id: folder}``.
+    :param max_loras: device slots (adapters resident at once).
+    :param max_cpu_loras: adapters kept in host memory.
+    :param max_lora_rank: largest rank accepted; slots are padded to it.
+    :param kv_cache_memory: KV pool size, bytes or a string such as ``"512MiB"``.
+    :param block_size: tokens per KV block.
+    :param enable_prefix_caching: reuse KV blocks of shared prefixes within one namespace.
+    :param dtype: ``float32``, ``bfloat16`` or ``float16`` (default: float32 on CPU).
+    :param device: ``cpu`` or ``cuda`` (default: cuda when available).
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        adapter_dir: str | Path | None = None,
+        adapters: dict[str, str | Path] | None = None,
+        *,
+        max_loras: int = 8,
+        max_cpu_loras: int = 32,
+        max_lora_rank: int = 64,
+        kv_cache_memory: int | str | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        max_batch_tokens: int = 2048,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        model_id: str | None = None,
+    ) -> None:
+        config = EngineConfig(
+            model=str(model),
+            model_id=model_id,
+            max_loras=max_loras,
+            max_cpu_loras=max(max_cpu_loras, max_loras),
+            max_lora_rank=max_lora_rank,
+            kv_cache_memory=kv_cache_memory,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            max_batch_tokens=max_batch_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            dtype=dtype,
+            device=device,
+        )
+        self.engine = LLMEngine(config, adapters=adapters, adapter_dir=adapter_dir)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):  # type: ignore[no-untyped-def]
+        return self.engine.tokenizer
+
+    def add_adapter(self, adapter_id: str, path: str | Path) -> None:
+        """Add an adapter, or replace one; replaced weights are read again on next use."""
+        self.engine.adapters.register(adapter_id, Path(path))
+
+    def generate(
+        self,
+        prompts: str | list[int] | SequenceOf[str | list[int]],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        adapter_ids: SequenceOf[str | None] | str | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of ``prompts``.
+
+        A prompt is a string or a list of token ids. ``adapter_ids[i]`` names the adapter of
+        prompt ``i`` (None: the base model); one string applies to every prompt.
+        """
+        batch: list[str | list[int]]
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            batch = [prompts]
+        else:
+            batch = list(prompts)  # type: ignore[arg-type]
+        params: list[SamplingParams] = _per_prompt(sampling_params, len(batch), SamplingParams())
+        adapters: list[str | None] = _per_prompt(adapter_ids, len(batch), None)
+        ids = [f"offline-{next(self._ids)}" for _ in batch]
+        for request_id, prompt, p, adapter in zip(ids, batch, params, adapters, strict=True):
+            self.engine.add_request(request_id, prompt, p, adapter)
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            outputs = self.engine.step()
+            for out in outputs:
+                if out.finished:
+                    finished[out.request_id] = out
+            if not outputs:
+                time.sleep(_IDLE_WAIT_S)  # waiting for an adapter load
+        return [finished[i] for i in ids]
+
+
+def _per_prompt(value: Any, n: int, default: Any) -> list[Any]:
+    if value is None:
+        return [default] * n
+    if isinstance(value, str | SamplingParams):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"expected {n} values, one per prompt, got {len(values)}")
+    return values

@@ -1,0 +1,280 @@
+"""The engine: owns the model, the KV cache, the adapters and the scheduler; runs one step at a
+time. Not thread-safe: one thread drives it (``LLM`` directly, ``AsyncEngine`` from its loop)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lora_guard.engine.adapter_manager import AdapterManager
+from lora_guard.engine.config import ConfigError, EngineConfig
+from lora_guard.engine.kv_cache import BlockManager, KVCache
+from lora_guard.engine.lora import AdapterLoader, HostCache, SlotPool
+from lora_guard.engine.model import LlamaModel
+from lora_guard.engine.runner import ModelRunner
+from lora_guard.engine.sampling import SamplerInput, SamplingParams, sample
+from lora_guard.engine.scheduler import Scheduler
+from lora_guard.engine.sequence import FinishReason, Sequence
+
+MIN_KV_BLOCKS = 4
+
+
+class RequestError(ValueError):
+    """A request cannot be accepted as given (unknown adapter, too long, bad prompt)."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's state after a step: everything generated so far."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    stop_sequence: str | None = None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    step_times: list[float] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        adapters: dict[str, str | Path] | None = None,
+        adapter_dir: str | Path | None = None,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        model_dir = Path(config.model)
+        self.model = LlamaModel(model_dir, config.torch_dtype, config.torch_device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        spec = self.model.spec
+        self.model_id = (
+            config.model_id or getattr(self.model.config, "name_or_path", "") or str(model_dir)
+        )
+        self.eos_token_ids = _eos_ids(self.model.config, self.tokenizer)
+
+        per_block = KVCache.bytes_per_block(
+            spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, config.torch_dtype
+        )
+        num_blocks = config.kv_cache_bytes() // per_block
+        if num_blocks < MIN_KV_BLOCKS:
+            raise ConfigError(
+                f"kv_cache_memory {config.kv_cache_bytes()} bytes holds {num_blocks} blocks of "
+                f"{per_block} bytes; at least {MIN_KV_BLOCKS} are needed"
+            )
+        limits = [spec.max_position_embeddings, num_blocks * config.block_size]
+        if config.max_model_len:
+            limits.append(config.max_model_len)
+        if spec.sliding_window:
+            limits.append(spec.sliding_window)
+        self.max_model_len = min(limits)
+        self.kv_cache = KVCache.zeros(
+            spec.num_layers, num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
+            config.torch_dtype, config.torch_device,
+        )  # fmt: skip
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.slot_pool = SlotPool(
+            spec, config.max_loras, config.max_lora_rank, config.torch_dtype, config.torch_device
+        )
+        self.adapters = AdapterManager(
+            self.slot_pool,
+            HostCache(config.max_cpu_loras),
+            AdapterLoader(spec, config.max_lora_rank),
+        )
+        if adapter_dir is not None:
+            for folder in sorted(Path(adapter_dir).iterdir()):
+                if (folder / "adapter_config.json").is_file():
+                    self.adapters.register(folder.name, folder)
+        for adapter_id, path in (adapters or {}).items():
+            self.adapters.register(adapter_id, Path(path))
+        self.scheduler = Scheduler(
+            self.blocks, self.adapters, self.cache_namespace, config.max_batch_tokens,
+            config.max_num_seqs,
+        )  # fmt: skip
+        self.runner = ModelRunner(self.model, self.kv_cache, self.slot_pool, config.block_size)
+        self.requests: dict[str, Sequence] = {}
+        self.stats = EngineStats()
+
+    def cache_namespace(self, seq: Sequence, content_hash: str | None) -> Hashable:
+        """The prefix-cache namespace of ``seq``: base model, adapter id and adapter weights."""
+        return ("base", self.model_id, "adapter", seq.adapter_id, "weights", content_hash)
+
+    # requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        adapter_id: str | None = None,
+        tenant_id: str = "default",
+    ) -> Sequence:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if adapter_id is not None and not self.adapters.knows(adapter_id):
+            raise RequestError(f"adapter {adapter_id!r} is not known")
+        token_ids = self.encode(prompt)
+        if not token_ids:
+            raise RequestError("the prompt is empty")
+        if any(not 0 <= t < self.model.spec.vocab_size for t in token_ids):
+            raise RequestError("the prompt holds token ids outside the vocabulary")
+        total = len(token_ids) + params.max_new_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"`inputs` tokens + `max_new_tokens` must be <= {self.max_model_len}. "
+                f"Given: {len(token_ids)} `inputs` tokens and {params.max_new_tokens} "
+                "`max_new_tokens`"
+            )
+        seq = Sequence(
+            request_id, token_ids, params, adapter_id, tenant_id, arrival_time=time.monotonic()
+        )
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.config.torch_device)
+            seq.generator.manual_seed(params.seed)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        return [int(t) for t in prompt]
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks and slot; returns its last state."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq)
+        seq.finish_reason = FinishReason.ABORT
+        return self._output(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # the step
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        outputs = []
+        for seq, reason in plan.failed:
+            outputs.append(self._fail(seq, reason))
+        self.stats.preemptions += len(plan.preempted)
+        if not plan.scheduled:
+            return outputs
+        for src, dst in self.blocks.pending_copies:
+            self.kv_cache.copy_block(src, dst, self.config.block_size)
+        self.blocks.pending_copies.clear()
+        try:
+            result = self.runner.run(plan.scheduled)
+        except Exception as exc:
+            # A failed forward fails the requests in it, never the engine.
+            for item in plan.scheduled:
+                outputs.append(self._fail(item.seq, f"generation failed: {exc}"))
+            return outputs
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.blocks.commit(item.seq)
+        tokens, logprobs = sample(
+            result.logits,
+            [SamplerInput(s.params, s.generator, s.token_ids) for s in result.sampled],
+        )
+        now = time.monotonic()
+        for seq, token, logprob in zip(result.sampled, tokens, logprobs, strict=True):
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.token_ids.append(token)
+            seq.logprobs.append(logprob)
+            self.stats.generated_tokens += 1
+            outputs.append(self._after_token(seq, token))
+        self.stats.steps += 1
+        self.stats.prompt_tokens += plan.num_tokens - len(result.sampled)
+        self.stats.step_times.append(time.perf_counter() - started)
+        return outputs
+
+    def _after_token(self, seq: Sequence, token: int) -> RequestOutput:
+        params = seq.params
+        text = self._decode(seq)
+        stop_sequence = None
+        if token in self.eos_token_ids and not params.ignore_eos:
+            seq.finish_reason = FinishReason.EOS
+        for stop in params.stop:
+            index = text.find(stop)
+            if index != -1:
+                seq.finish_reason, stop_sequence, text = FinishReason.STOP, stop, text[:index]
+                break
+        if seq.finish_reason is None and (
+            len(seq.output_token_ids) >= params.max_new_tokens
+            or len(seq.token_ids) >= self.max_model_len
+        ):
+            seq.finish_reason = FinishReason.LENGTH
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+            self.requests.pop(seq.request_id, None)
+        return self._output(seq, text, stop_sequence)
+
+    def _fail(self, seq: Sequence, reason: str) -> RequestOutput:
+        self.scheduler.finish(seq)
+        self.requests.pop(seq.request_id, None)
+        seq.finish_reason, seq.error = FinishReason.ERROR, reason
+        return self._output(seq)
+
+    def _decode(self, seq: Sequence) -> str:
+        return str(self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True))
+
+    def _output(
+        self, seq: Sequence, text: str | None = None, stop_sequence: str | None = None
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=self._decode(seq) if text is None else text,
+            logprobs=list(seq.logprobs),
+            finished=seq.finish_reason is not None,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            num_cached_tokens=seq.num_cached_tokens,
+            error=seq.error,
+            stop_sequence=stop_sequence,
+        )
+
+    # inspection
+    def check_no_leaks(self) -> None:
+        """Raise AssertionError if any block or adapter slot is still held with no request."""
+        if self.requests:
+            return
+        assert self.blocks.num_used_blocks == 0, f"{self.blocks.num_used_blocks} KV blocks leaked"
+        held = self.adapters.num_held_slots()
+        assert held == 0, f"{held} adapter slot references leaked"
+        assert not self.scheduler.has_work(), "scheduler still holds sequences"
+
+    def shutdown(self) -> None:
+        self.adapters.loader.shutdown()
+
+
+def _eos_ids(config: object, tokenizer: object) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list | tuple):
+            ids.update(int(x) for x in source)
+    return ids

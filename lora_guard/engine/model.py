@@ -1,0 +1,341 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a flat batch with paged KV.
+
+One forward runs the tokens of many sequences at once: prefill chunks and single-token decodes,
+each sequence possibly under its own LoRA adapter. Attention reads and writes the paged KV cache;
+the LoRA update of every projection is added per group of tokens that share an adapter slot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Each fused projection and the PEFT module names it is made of, in output order.
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+LORA_TARGETS = tuple(m for group in FUSED_PROJECTIONS.values() for m in group)
+
+
+class ModelLoadError(ValueError):
+    """The checkpoint cannot be served: wrong architecture, pickle weights, missing tensors."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """The architecture facts the engine needs, read from ``config.json``."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    max_position_embeddings: int
+    sliding_window: int | None
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelSpec:
+        model_type = config.model_type
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelLoadError(
+                f"model type {model_type!r} is not supported; lora-guard serves "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        heads = config.num_attention_heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        window = getattr(config, "sliding_window", None) if model_type != "llama" else None
+        if model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+            window = None
+        return cls(
+            model_type=model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            rms_norm_eps=config.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            max_position_embeddings=config.max_position_embeddings,
+            sliding_window=window,
+        )
+
+    def module_shape(self, module: str) -> tuple[int, int]:
+        """(in_features, out_features) of a LoRA-targetable projection."""
+        h, q, kv, inter = (
+            self.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+            self.intermediate_size,
+        )
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, inter),
+            "up_proj": (h, inter),
+            "down_proj": (inter, h),
+        }[module]
+
+
+@dataclass(slots=True)
+class LoraSegment:
+    """Tokens ``start:end`` of the flat batch use adapter slot ``slot``."""
+
+    slot: int
+    start: int
+    end: int
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    """Where each sequence's queries sit in the flat batch and where its keys live in the cache.
+
+    ``prefills`` run one attention call each: (query start, query length, context length, cache
+    slots of the context). Single-token decodes are batched: ``decode_rows`` index the flat batch,
+    ``decode_slots`` [B, C] the cache, ``decode_mask`` [B, C] marks the valid context.
+    """
+
+    slot_mapping: torch.Tensor
+    prefills: list[tuple[int, int, int, torch.Tensor]]
+    decode_rows: torch.Tensor | None
+    decode_slots: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+
+
+class LoraWeights(Protocol):
+    """What the model asks of the adapter slot pool: stacked A/B for one fused projection."""
+
+    def get(self, layer: int, projection: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """``A`` [slots, K, in], ``B`` [slots, out, K] and the used width K per slot."""
+        ...
+
+
+def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for the RoPE the config asks for."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        theta = getattr(config, "rope_theta", None) or params.get("rope_theta") or 10000.0
+        dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
+        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv, 1.0
+    if rope_type == "dynamic":
+        raise ModelLoadError("dynamic NTK RoPE scaling is not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ModelLoadError(f"RoPE type {rope_type!r} is not supported")
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv.float(), float(scaling)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE to x [T, heads, head_dim] with cos/sin [T, 1, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaModel:
+    """Weights and the forward pass. Owns no cache and no adapters; both are passed in."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> None:
+        from transformers import AutoConfig
+
+        self.config = AutoConfig.from_pretrained(model_dir)
+        self.spec = ModelSpec.from_config(self.config)
+        self.dtype, self.device = dtype, device
+        weights = _load_safetensors(model_dir, self.spec)
+        s = self.spec
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ModelLoadError(f"{model_dir} lacks the tensor {name}")
+            return weights.pop(name).to(device=device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = self.embed if s.tie_word_embeddings else w("lm_head.weight")
+        self.norm = w("model.norm.weight")
+        self.layers: list[dict[str, torch.Tensor | None]] = []
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}."
+            attn, mlp = p + "self_attn.", p + "mlp."
+            qkv = [w(f"{attn}{m}.weight") for m in FUSED_PROJECTIONS["qkv"]]
+            qkv_b = [w(f"{attn}{m}.bias") for m in FUSED_PROJECTIONS["qkv"]] if s.qkv_bias else []
+            gu = [w(f"{mlp}{m}.weight") for m in FUSED_PROJECTIONS["gate_up"]]
+            gu_b = [w(f"{mlp}{m}.bias") for m in FUSED_PROJECTIONS["gate_up"]] if s.mlp_bias else []
+            self.layers.append(
+                {
+                    "input_norm": w(p + "input_layernorm.weight"),
+                    "post_norm": w(p + "post_attention_layernorm.weight"),
+                    "qkv": torch.cat(qkv).contiguous(),
+                    "qkv_bias": torch.cat(qkv_b).contiguous() if qkv_b else None,
+                    "o": w(attn + "o_proj.weight"),
+                    "o_bias": w(attn + "o_proj.bias") if s.o_bias else None,
+                    "gate_up": torch.cat(gu).contiguous(),
+                    "gate_up_bias": torch.cat(gu_b).contiguous() if gu_b else None,
+                    "down": w(mlp + "down_proj.weight"),
+                    "down_bias": w(mlp + "down_proj.bias") if s.mlp_bias else None,
+                }
+            )
+        inv_freq, self.rope_scaling = rope_inv_freq(self.config, s.head_dim)
+        self.inv_freq = inv_freq.to(device)
+        self.scale = 1.0 / math.sqrt(s.head_dim)
+
+    def weight_bytes(self) -> int:
+        tensors = [self.embed, self.norm, *(t for layer in self.layers for t in layer.values())]
+        if self.lm_head is not self.embed:
+            tensors.append(self.lm_head)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        lora: LoraWeights | None,
+        segments: list[LoraSegment],
+        logits_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits [len(logits_rows), vocab] for the requested rows of the flat batch."""
+        s = self.spec
+        x = F.embedding(input_ids, self.embed)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scaling).to(self.dtype)[:, None, :]
+        sin = (emb.sin() * self.rope_scaling).to(self.dtype)[:, None, :]
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        k_cache, v_cache = kv_cache
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer["input_norm"], s.rms_norm_eps)  # type: ignore[arg-type]
+            qkv = self._linear(h, layer, "qkv", i, lora, segments)
+            q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
+            q = rotate(q.view(-1, s.num_heads, s.head_dim), cos, sin)
+            k = rotate(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin)
+            v = v.view(-1, s.num_kv_heads, s.head_dim)
+            k_cache[i].index_copy_(0, attn.slot_mapping, k)
+            v_cache[i].index_copy_(0, attn.slot_mapping, v)
+            o = self._attention(q, k_cache[i], v_cache[i], attn)
+            x = x + self._linear(o, layer, "o", i, lora, segments)
+            h = rms_norm(x, layer["post_norm"], s.rms_norm_eps)  # type: ignore[arg-type]
+            gate, up = self._linear(h, layer, "gate_up", i, lora, segments).chunk(2, dim=-1)
+            x = x + self._linear(F.silu(gate) * up, layer, "down", i, lora, segments)
+        h = rms_norm(x[logits_rows], self.norm, s.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    def _linear(
+        self,
+        x: torch.Tensor,
+        layer: dict[str, torch.Tensor | None],
+        projection: str,
+        index: int,
+        lora: LoraWeights | None,
+        segments: list[LoraSegment],
+    ) -> torch.Tensor:
+        weight = layer[projection]
+        assert weight is not None
+        y = F.linear(x, weight, layer[projection + "_bias"])
+        if lora is None or not segments:
+            return y
+        a, b, widths = lora.get(index, projection)
+        for seg in segments:
+            width = widths[seg.slot]
+            if width:
+                xs = x[seg.start : seg.end]
+                y[seg.start : seg.end] += (xs @ a[seg.slot, :width].T) @ b[seg.slot, :, :width].T
+        return y
+
+    def _attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionBatch
+    ) -> torch.Tensor:
+        s = self.spec
+        out = torch.empty_like(q)
+        for start, q_len, ctx_len, slots in attn.prefills:
+            qs = q[start : start + q_len].transpose(0, 1)[None]
+            ks = k_cache[slots].transpose(0, 1)[None]
+            vs = v_cache[slots].transpose(0, 1)[None]
+            if ctx_len == q_len:
+                mask = None
+            else:
+                cols = torch.arange(ctx_len, device=q.device)
+                rows = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+                mask = cols[None, :] <= rows[:, None]
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                enable_gqa=s.num_heads != s.num_kv_heads,
+            )  # fmt: skip
+            out[start : start + q_len] = o[0].transpose(0, 1)
+        if attn.decode_rows is not None:
+            assert attn.decode_slots is not None and attn.decode_mask is not None
+            group = s.num_heads // s.num_kv_heads
+            batch = attn.decode_rows.numel()
+            qd = q[attn.decode_rows].view(batch, s.num_kv_heads, group, s.head_dim)
+            kd = k_cache[attn.decode_slots].permute(0, 2, 3, 1)  # [B, kv, hd, C]
+            vd = v_cache[attn.decode_slots].transpose(1, 2)  # [B, kv, C, hd]
+            scores = (qd @ kd).float() * self.scale
+            scores.masked_fill_(~attn.decode_mask[:, None, None, :], float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(q.dtype)
+            out[attn.decode_rows] = (probs @ vd).view(batch, s.num_heads, s.head_dim)
+        return out.view(q.shape[0], -1)
+
+
+def _load_safetensors(model_dir: Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
+        if pickles:
+            raise ModelLoadError(
+                f"{model_dir} holds only pickle weights ({', '.join(pickles)}); lora-guard loads "
+                "safetensors only, because pickle files can run code. Convert them with "
+                "`model.save_pretrained(dir, safe_serialization=True)`."
+            )
+        raise ModelLoadError(f"{model_dir} has no *.safetensors weights")
+    index_file = model_dir / "model.safetensors.index.json"
+    if index_file.exists():
+        names = set(json.loads(index_file.read_text())["weight_map"].values())
+        files = [model_dir / n for n in sorted(names)]
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                weights[key] = f.get_tensor(key)
+    needed = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not spec.tie_word_embeddings:
+        needed.append("lm_head.weight")
+    missing = [n for n in needed if n not in weights]
+    if missing:
+        raise ModelLoadError(f"{model_dir} lacks tensors: {', '.join(missing)}")
+    return weights
