@@ -63,7 +63,7 @@ def make_tiny_llama(
     num_attention_heads: int = 4,
     num_key_value_heads: int = 2,
     tie_word_embeddings: bool = True,
-    initializer_range: float = 0.1,
+    initializer_range: float = 0.2,
     **config_overrides: Any,
 ) -> Path:
     """Save a random float32 Llama checkpoint (safetensors + tokenizer + chat template) to ``out``.
