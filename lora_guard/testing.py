@@ -96,3 +96,37 @@ def make_tiny_llama(
         model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def reference_greedy(
+    model_dir: Path,
+    requests: list[tuple[list[int], Path | None]],
+    max_new_tokens: int,
+) -> list[list[int]]:
+    """Greedy tokens from transformers + PEFT (adapter applied unmerged), one request at a time.
+
+    This is the correctness oracle: the engine must produce the same tokens, in float32.
+    """
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    results = []
+    for prompt, adapter in requests:
+        model = base if adapter is None else PeftModel.from_pretrained(base, str(adapter))
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        results.append(out[0, ids.shape[1] :].tolist())
+        if adapter is not None:
+            base = model.unload()
+    return results

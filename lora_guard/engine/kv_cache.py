@@ -199,7 +199,7 @@ class BlockManager:
             self._release(block_id)
         seq.block_table = []
         seq.block_keys = []
-        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.num_computed_tokens = 0
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m lora_guard.bench.engine`` (engine speed against transformers + PEFT)."""

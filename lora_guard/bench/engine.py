@@ -1,0 +1,216 @@
+"""Engine speed on one machine, as ratios from one run.
+
+    python -m lora_guard.bench.engine [--model DIR --adapter-dir DIR] [--batches 1,8,32]
+
+Prints, for batch sizes 1, 8 and 32: the engine's decode step time for the base model alone and for
+a batch mixing 8 adapters; the same prompts through transformers + PEFT mixed-adapter ``generate``;
+and this machine's torch matmul peak. Defaults to the demo model (prepared if missing), float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lora_guard.engine import LLM, SamplingParams
+
+
+@dataclass
+class Row:
+    batch: int
+    engine_base_step_ms: float
+    engine_mixed_step_ms: float
+    engine_mixed_tokens_per_s: float
+    peft_base_step_ms: float
+    peft_mixed_step_ms: float
+    peft_mixed_tokens_per_s: float
+
+    @property
+    def mixed_over_base(self) -> float:
+        return self.engine_mixed_step_ms / self.engine_base_step_ms
+
+    @property
+    def speedup_over_peft(self) -> float:
+        return self.engine_mixed_tokens_per_s / self.peft_mixed_tokens_per_s
+
+
+def matmul_peak_gflops(dtype: torch.dtype, device: torch.device, n: int = 2048) -> float:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    best = float("inf")
+    for _ in range(5):
+        _sync(device)
+        started = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - started)
+    return 2 * n**3 / best / 1e9
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _prompts(tokenizer: Any, batch: int) -> list[list[int]]:
+    # About 32 tokens each, different per request so no prefix is shared.
+    return [
+        tokenizer.encode(f"Request {i}: please write a short story about the number {i}, a ship, "
+                         f"a lighthouse keeper and the sea at night, in plain words.")
+        for i in range(batch)
+    ]  # fmt: skip
+
+
+def engine_run(
+    llm: LLM, prompts: list[list[int]], adapters: list[str | None], new_tokens: int
+) -> tuple[float, float]:
+    """Median decode step time (ms) and generated tokens per second for one batch."""
+    engine = llm.engine
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    tag = time.perf_counter_ns()
+    for i, (prompt, adapter) in enumerate(zip(prompts, adapters, strict=True)):
+        engine.add_request(f"bench-{tag}-{i}", prompt, params, adapter)
+    decode_steps: list[float] = []
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        step_started = time.perf_counter()
+        computed_before = sum(s.num_computed_tokens for s in engine.scheduler.running)
+        engine.step()
+        _sync(engine.config.torch_device)
+        elapsed = time.perf_counter() - step_started
+        running = engine.scheduler.running
+        if running and len(running) == len(prompts) and computed_before > 0:
+            decode_steps.append(elapsed)
+    total = time.perf_counter() - started
+    return statistics.median(decode_steps) * 1000, len(prompts) * new_tokens / total
+
+
+def peft_run(
+    model: Any, prompts: list[list[int]], adapters: list[str], new_tokens: int, pad_id: int
+) -> tuple[float, float]:
+    """Decode step time (ms) and tokens/s of transformers + PEFT ``generate`` on the batch."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+    def generate(n: int) -> float:
+        started = time.perf_counter()
+        with torch.no_grad():
+            model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                do_sample=False, adapter_names=adapters, pad_token_id=pad_id,
+            )  # fmt: skip
+        return time.perf_counter() - started
+
+    first = generate(1)
+    full = generate(new_tokens)
+    return (full - first) / (new_tokens - 1) * 1000, len(prompts) * new_tokens / full
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lora_guard.bench.engine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", type=Path, help="checkpoint (default: the demo model)")
+    parser.add_argument("--adapter-dir", type=Path, help="adapters (default: the demo adapters)")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--adapters", type=int, default=8, help="adapters mixed in a batch")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--skip-peft", action="store_true", help="engine figures only")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+
+    if args.model is None:
+        from lora_guard.demo import prepare_demo
+
+        demo = prepare_demo(log=lambda _msg: None)
+        args.model, args.adapter_dir = demo.model_dir, args.adapter_dir or demo.adapter_dir
+    if args.adapter_dir is None:
+        parser.error("--adapter-dir is needed with --model")
+    names = sorted(
+        p.name for p in args.adapter_dir.iterdir() if (p / "adapter_config.json").is_file()
+    )
+    names = names[: args.adapters]
+    batches = [int(b) for b in args.batches.split(",")]
+    device = torch.device(args.device)
+
+    llm = LLM(args.model, adapters={n: args.adapter_dir / n for n in names},
+              max_loras=len(names), kv_cache_memory="1GiB", dtype=args.dtype, device=device,
+              max_num_seqs=max(batches))  # fmt: skip
+    tokenizer = llm.tokenizer
+    engine_runs: dict[int, tuple[float, float, float]] = {}
+    engine_run(llm, _prompts(tokenizer, len(names)), list(names), 4)  # warm-up, loads adapters
+    for batch in batches:
+        prompts = _prompts(tokenizer, batch)
+        mixed = [names[i % len(names)] for i in range(batch)]
+        base_ms, _ = engine_run(llm, prompts, [None] * batch, args.new_tokens)
+        mixed_ms, mixed_tps = engine_run(llm, prompts, list(mixed), args.new_tokens)
+        engine_runs[batch] = (base_ms, mixed_ms, mixed_tps)
+    llm.engine.shutdown()
+    del llm
+
+    peft_runs: dict[int, tuple[float, float, float]] = {}
+    if not args.skip_peft:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        dtype = getattr(torch, args.dtype)
+        base = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
+        model = PeftModel.from_pretrained(
+            base, str(args.adapter_dir / names[0]), adapter_name=names[0]
+        )
+        for name in names[1:]:
+            model.load_adapter(str(args.adapter_dir / name), adapter_name=name)
+        model.eval()
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        for batch in batches:
+            prompts = _prompts(tokenizer, batch)
+            mixed = [names[i % len(names)] for i in range(batch)]
+            base_ms, _ = peft_run(model, prompts, ["__base__"] * batch, args.new_tokens, pad)
+            mixed_ms, mixed_tps = peft_run(model, prompts, mixed, args.new_tokens, pad)
+            peft_runs[batch] = (base_ms, mixed_ms, mixed_tps)
+
+    rows = [Row(b, *engine_runs[b], *(peft_runs.get(b) or (float("nan"),) * 3)) for b in batches]
+    peak = matmul_peak_gflops(getattr(torch, args.dtype), device)
+    _print(rows, peak, args, names)
+    if args.json:
+        args.json.write_text(json.dumps({
+            "device": str(device), "dtype": args.dtype, "matmul_peak_gflops": peak,
+            "adapters": names, "new_tokens": args.new_tokens,
+            "rows": [asdict(r) | {"mixed_over_base": r.mixed_over_base,
+                                  "speedup_over_peft": r.speedup_over_peft} for r in rows],
+        }, indent=2) + "\n")  # fmt: skip
+    return 0
+
+
+def _print(rows: list[Row], peak: float, args: argparse.Namespace, names: list[str]) -> None:
+    print(f"device {args.device}, {args.dtype}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; matmul peak {peak:.0f} GFLOP/s")  # fmt: skip
+    print(f"mixed batches cycle over {len(names)} adapters: {', '.join(names)}; "
+          f"{args.new_tokens} new tokens per request\n")  # fmt: skip
+    print("| batch | engine base step ms | engine mixed step ms | mixed / base "
+          "| PEFT base step ms | PEFT mixed step ms | engine mixed tok/s | PEFT mixed tok/s "
+          "| engine / PEFT tok/s |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r.batch} | {r.engine_base_step_ms:.1f} | {r.engine_mixed_step_ms:.1f} "
+              f"| {r.mixed_over_base:.2f}x | {r.peft_base_step_ms:.1f} "
+              f"| {r.peft_mixed_step_ms:.1f} "
+              f"| {r.engine_mixed_tokens_per_s:.1f} | {r.peft_mixed_tokens_per_s:.1f} "
+              f"| {r.speedup_over_peft:.2f}x |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
