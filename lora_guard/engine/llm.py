@@ -99,8 +99,13 @@ class LLM:
         params: list[SamplingParams] = _per_prompt(sampling_params, len(batch), SamplingParams())
         adapters: list[str | None] = _per_prompt(adapter_ids, len(batch), None)
         ids = [f"offline-{next(self._ids)}" for _ in batch]
-        for request_id, prompt, p, adapter in zip(ids, batch, params, adapters, strict=True):
-            self.engine.add_request(request_id, prompt, p, adapter)
+        try:
+            for request_id, prompt, p, adapter in zip(ids, batch, params, adapters, strict=True):
+                self.engine.add_request(request_id, prompt, p, adapter)
+        except Exception:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(ids):
             outputs = self.engine.step()

@@ -258,9 +258,8 @@ class LLMEngine:
 
     # inspection
     def check_no_leaks(self) -> None:
-        """Raise AssertionError if any block or adapter slot is still held with no request."""
-        if self.requests:
-            return
+        """Raise AssertionError unless the engine is idle and holds no block and no slot."""
+        assert not self.requests, f"{len(self.requests)} requests are still in the engine"
         assert self.blocks.num_used_blocks == 0, f"{self.blocks.num_used_blocks} KV blocks leaked"
         held = self.adapters.num_held_slots()
         assert held == 0, f"{held} adapter slot references leaked"

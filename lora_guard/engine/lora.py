@@ -54,7 +54,7 @@ class LoRAAdapter:
 
 def _pattern_value(patterns: dict[str, float], module_name: str, default: float) -> float:
     for pattern, value in patterns.items():
-        if re.fullmatch(rf"(.*\.)?{pattern}", module_name):
+        if re.fullmatch(rf"(.*\.)?({pattern})", module_name):
             return value
     return default
 
