@@ -1,12 +1,13 @@
 """LoRA adapters: reading PEFT folders, the device slot pool, the host tier and the loader thread.
 
 The slot pool preallocates, for every layer and fused projection, one stacked ``A`` [slots, K, in]
-and ``B`` [slots, out, K] with ``K = sub-modules * max_rank``; loading an adapter is a copy into its
-slot, never an allocation. Within a slot, sub-module ``j`` (q, k or v of the fused qkv, say) uses
-rows ``j*r : j*r + r_j`` of A and the matching columns of B, where ``r`` is the adapter's largest
-rank, so one pair of matmuls serves the whole fused projection:
+and ``B`` [slots, K, out] (B stored transposed, so a slot's used part is one contiguous block) with
+``K = sub-modules * max_rank``; loading an adapter is a copy into its slot, never an allocation.
+Within a slot, sub-module ``j`` (q, k or v of the fused qkv, say) uses rows ``j*r : j*r + r_j`` of
+A and of B, where ``r`` is the adapter's largest rank, so one pair of matmuls serves the whole
+fused projection:
 
-    for each slot s with tokens x_s:  y_s += (x_s @ A[s, :K_s].T) @ B[s, :, :K_s].T
+    for each slot s with tokens x_s:  y_s += (x_s @ A[s, :K_s].T) @ B[s, :K_s]
 
 The LoRA scaling (``alpha / r``, or ``alpha / sqrt(r)`` for rsLoRA) is folded into B at load time.
 """
@@ -177,7 +178,7 @@ class SlotPool:
                     num_slots, k, fan_in, dtype=dtype, device=device
                 )
                 self.b[layer, projection] = torch.zeros(
-                    num_slots, fan_out, k, dtype=dtype, device=device
+                    num_slots, k, fan_out, dtype=dtype, device=device
                 )
         self._out_offsets = {
             m: sum(spec.module_shape(x)[1] for x in mods[:j])
@@ -202,13 +203,13 @@ class SlotPool:
                 width = self.widths[projection][slot]
                 if width:
                     self.a[layer, projection][slot, :width].zero_()
-                    self.b[layer, projection][slot, :, :width].zero_()
+                    self.b[layer, projection][slot, :width].zero_()
         for (layer, module), (a, b) in adapter.weights.items():
             projection, j = _PROJECTION_OF[module]
             rank, out0 = a.shape[0], self._out_offsets[module]
             rows = slice(j * r, j * r + rank)
             self.a[layer, projection][slot, rows].copy_(a)
-            self.b[layer, projection][slot, out0 : out0 + b.shape[0], rows].copy_(b)
+            self.b[layer, projection][slot, rows, out0 : out0 + b.shape[0]].copy_(b.T)
 
     def clear(self, slot: int) -> None:
         for widths in self.widths.values():

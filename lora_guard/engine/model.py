@@ -131,7 +131,7 @@ class LoraWeights(Protocol):
     """What the model asks of the adapter slot pool: stacked A/B for one fused projection."""
 
     def get(self, layer: int, projection: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """``A`` [slots, K, in], ``B`` [slots, out, K] and the used width K per slot."""
+        """``A`` [slots, K, in], ``B`` [slots, K, out] and the used width K per slot."""
         ...
 
 
@@ -274,8 +274,8 @@ class LlamaModel:
         for seg in segments:
             width = widths[seg.slot]
             if width:
-                xs = x[seg.start : seg.end]
-                y[seg.start : seg.end] += (xs @ a[seg.slot, :width].T) @ b[seg.slot, :, :width].T
+                shrunk = x[seg.start : seg.end] @ a[seg.slot, :width].T
+                y[seg.start : seg.end].addmm_(shrunk, b[seg.slot, :width])
         return y
 
     def _attention(
@@ -283,10 +283,11 @@ class LlamaModel:
     ) -> torch.Tensor:
         s = self.spec
         out = torch.empty_like(q)
+        gqa = s.num_heads != s.num_kv_heads
         for start, q_len, ctx_len, slots in attn.prefills:
             qs = q[start : start + q_len].transpose(0, 1)[None]
-            ks = k_cache[slots].transpose(0, 1)[None]
-            vs = v_cache[slots].transpose(0, 1)[None]
+            ks = k_cache.index_select(0, slots).transpose(0, 1)[None]
+            vs = v_cache.index_select(0, slots).transpose(0, 1)[None]
             if ctx_len == q_len:
                 mask = None
             else:
@@ -295,20 +296,20 @@ class LlamaModel:
                 mask = cols[None, :] <= rows[:, None]
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=self.scale,
-                enable_gqa=s.num_heads != s.num_kv_heads,
+                enable_gqa=gqa,
             )  # fmt: skip
             out[start : start + q_len] = o[0].transpose(0, 1)
         if attn.decode_rows is not None:
             assert attn.decode_slots is not None and attn.decode_mask is not None
-            group = s.num_heads // s.num_kv_heads
-            batch = attn.decode_rows.numel()
-            qd = q[attn.decode_rows].view(batch, s.num_kv_heads, group, s.head_dim)
-            kd = k_cache[attn.decode_slots].permute(0, 2, 3, 1)  # [B, kv, hd, C]
-            vd = v_cache[attn.decode_slots].transpose(1, 2)  # [B, kv, C, hd]
-            scores = (qd @ kd).float() * self.scale
-            scores.masked_fill_(~attn.decode_mask[:, None, None, :], float("-inf"))
-            probs = torch.softmax(scores, dim=-1).to(q.dtype)
-            out[attn.decode_rows] = (probs @ vd).view(batch, s.num_heads, s.head_dim)
+            batch, ctx = attn.decode_slots.shape
+            flat = attn.decode_slots.flatten()
+            kd = k_cache.index_select(0, flat).view(batch, ctx, s.num_kv_heads, s.head_dim)
+            vd = v_cache.index_select(0, flat).view(batch, ctx, s.num_kv_heads, s.head_dim)
+            o = F.scaled_dot_product_attention(
+                q[attn.decode_rows][:, :, None, :], kd.transpose(1, 2), vd.transpose(1, 2),
+                attn_mask=attn.decode_mask[:, None, None, :], scale=self.scale, enable_gqa=gqa,
+            )  # fmt: skip
+            out[attn.decode_rows] = o.squeeze(2)
         return out.view(q.shape[0], -1)
 
 
