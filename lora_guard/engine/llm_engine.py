@@ -62,7 +62,7 @@ class LLMEngine:
         from transformers import AutoTokenizer
 
         self.config = config
-        model_dir = Path(config.model)
+        model_dir = Path(config.model).expanduser()
         self.model = LlamaModel(model_dir, config.torch_dtype, config.torch_device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         spec = self.model.spec
@@ -100,11 +100,11 @@ class LLMEngine:
             AdapterLoader(spec, config.max_lora_rank),
         )
         if adapter_dir is not None:
-            for folder in sorted(Path(adapter_dir).iterdir()):
+            for folder in sorted(Path(adapter_dir).expanduser().iterdir()):
                 if (folder / "adapter_config.json").is_file():
                     self.adapters.register(folder.name, folder)
         for adapter_id, path in (adapters or {}).items():
-            self.adapters.register(adapter_id, Path(path))
+            self.adapters.register(adapter_id, Path(path).expanduser())
         self.scheduler = Scheduler(
             self.blocks, self.adapters, self.cache_namespace, config.max_batch_tokens,
             config.max_num_seqs,
@@ -155,7 +155,10 @@ class LLMEngine:
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+            # A chat-templated prompt already starts with the BOS text; do not add a second one.
+            bos = self.tokenizer.bos_token
+            templated = bool(bos) and prompt.startswith(bos)
+            return list(self.tokenizer.encode(prompt, add_special_tokens=not templated))
         return [int(t) for t in prompt]
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -19,6 +19,8 @@ def test_demo_mixed_batch_matches_transformers_and_peft(demo: DemoPaths) -> None
     tok = llm.tokenizer
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     shared = list(tok.apply_chat_template(chat, add_generation_prompt=True))
+    text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert llm.engine.encode(text) == shared, "a templated prompt must not get a second BOS"
     other = tok.encode("Write one sentence about the sea.")
     adapters: list[str | None] = [None, *names]
     requests = [(shared, a) for a in adapters] + [(other, a) for a in adapters[::2]]
