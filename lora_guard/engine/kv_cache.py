@@ -2,9 +2,11 @@
 
 A full block is keyed by a chained hash of (parent key, namespace, its token ids). The namespace
 keeps blocks of different adapters (and, by policy, tenants) apart: the default is
-(base model id, adapter id, adapter content hash). Every hit is verified against the block's
-recorded namespace and tokens; a mismatch is a conflict and is never reused. Free blocks that
-still hold cached content are reused least-recently-freed first.
+(base model id, adapter id, adapter content hash). Each block also records its scope, the weights
+that computed it (base model id, adapter id, adapter content hash). Every hit is verified: tokens
+and namespace must match, and a hit whose scope differs from the request's is a conflict, counted
+and refused unless ``may_reuse`` allows it (an explicit observe mode that shows the hazard). Free
+blocks that still hold cached content are reused least-recently-freed first.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class Block:
     key: int | None = None
     token_ids: tuple[int, ...] = ()
     namespace: Hashable = None
+    scope: Hashable = None
 
 
 def block_key(parent: int | None, namespace: Hashable, token_ids: tuple[int, ...]) -> int:
@@ -39,7 +42,7 @@ class CacheStats:
     copies_on_write: int = 0
 
 
-ReuseCheck = Callable[[Block, Hashable], bool]
+ReuseCheck = Callable[[Block, Sequence], bool]
 
 
 @dataclass
@@ -123,12 +126,13 @@ class BlockManager:
             if block_id is None:
                 break
             block = self.blocks[block_id]
-            refused = block.token_ids != chunk or block.namespace != seq.cache_namespace
-            if not refused and self.may_reuse is not None:
-                refused = not self.may_reuse(block, seq.cache_namespace)
-            if refused:
-                self.stats.conflicts += record
+            if block.token_ids != chunk or block.namespace != seq.cache_namespace:
+                self.stats.conflicts += record  # a key collision
                 break
+            if block.scope != seq.cache_scope:
+                self.stats.conflicts += record  # KV computed under other weights
+                if self.may_reuse is None or not self.may_reuse(block, seq):
+                    break
             hits.append(block_id)
             parent = key
         return hits
@@ -191,6 +195,7 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.key is None and key not in self.cached:
                 block.key, block.token_ids, block.namespace = key, chunk, seq.cache_namespace
+                block.scope = seq.cache_scope
                 self.cached[key] = block.block_id
 
     def free(self, seq: Sequence) -> None:
@@ -219,6 +224,6 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.key is not None and self.cached.get(block.key) == block_id:
             del self.cached[block.key]
-        block.key, block.token_ids, block.namespace = None, (), None
+        block.key, block.token_ids, block.namespace, block.scope = None, (), None, None
         block.ref_count = 1
         return block_id

@@ -4,7 +4,6 @@ time. Not thread-safe: one thread drives it (``LLM`` directly, ``AsyncEngine`` f
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,16 +105,25 @@ class LLMEngine:
         for adapter_id, path in (adapters or {}).items():
             self.adapters.register(adapter_id, Path(path).expanduser())
         self.scheduler = Scheduler(
-            self.blocks, self.adapters, self.cache_namespace, config.max_batch_tokens,
+            self.blocks, self.adapters, self.bind_cache, config.max_batch_tokens,
             config.max_num_seqs,
         )  # fmt: skip
         self.runner = ModelRunner(self.model, self.kv_cache, self.slot_pool, config.block_size)
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
 
-    def cache_namespace(self, seq: Sequence, content_hash: str | None) -> Hashable:
-        """The prefix-cache namespace of ``seq``: base model, adapter id and adapter weights."""
-        return ("base", self.model_id, "adapter", seq.adapter_id, "weights", content_hash)
+    def bind_cache(self, seq: Sequence, content_hash: str | None) -> None:
+        """Set ``seq``'s prefix-cache scope (the weights its KV is computed under) and namespace
+        (the key its blocks are shared by; by default the scope itself)."""
+        seq.cache_scope = (
+            "base",
+            self.model_id,
+            "adapter",
+            seq.adapter_id,
+            "weights",
+            content_hash,
+        )
+        seq.cache_namespace = seq.cache_scope
 
     # requests
     def add_request(

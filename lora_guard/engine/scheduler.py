@@ -9,7 +9,7 @@ is preempted: its blocks are freed and it is recomputed later.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lora_guard.engine.adapter_manager import AdapterManager
@@ -17,7 +17,8 @@ from lora_guard.engine.kv_cache import BlockManager
 from lora_guard.engine.lora import AdapterError
 from lora_guard.engine.sequence import Sequence, Status
 
-NamespaceFn = Callable[[Sequence, str | None], Hashable]
+# Sets a sequence's prefix-cache namespace and scope once its adapter's weights are known.
+CacheBinder = Callable[[Sequence, str | None], None]
 
 
 @dataclass(slots=True)
@@ -42,11 +43,11 @@ class Scheduler:
         self,
         blocks: BlockManager,
         adapters: AdapterManager,
-        namespace: NamespaceFn,
+        bind_cache: CacheBinder,
         max_batch_tokens: int,
         max_num_seqs: int,
     ) -> None:
-        self.blocks, self.adapters, self.namespace = blocks, adapters, namespace
+        self.blocks, self.adapters, self.bind_cache = blocks, adapters, bind_cache
         self.max_batch_tokens, self.max_num_seqs = max_batch_tokens, max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -104,7 +105,7 @@ class Scheduler:
                 if binding is None:
                     continue  # its adapter is loading; the others go on
                 seq.lora_slot, content_hash = binding.slot, binding.content_hash
-            seq.cache_namespace = self.namespace(seq, content_hash)
+            self.bind_cache(seq, content_hash)
             if not self.blocks.can_allocate(seq, budget):
                 self._unbind(seq)
                 break

@@ -40,6 +40,8 @@ class Sequence:
     tenant_id: str = "default"
     arrival_time: float = 0.0
     cache_namespace: Hashable = None
+    cache_scope: Hashable = None
+    waited_steps: int = 0
     status: Status = Status.WAITING
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

@@ -16,9 +16,12 @@ NS = ("ns", 1)
 OTHER_NS = ("ns", 2)
 
 
-def make_seq(tokens: list[int], namespace: Hashable = NS, request_id: str = "r") -> Sequence:
+def make_seq(
+    tokens: list[int], namespace: Hashable = NS, request_id: str = "r", scope: Hashable = "w1"
+) -> Sequence:
     seq = Sequence(request_id, list(tokens), SamplingParams(), adapter_id=None)
     seq.cache_namespace = namespace
+    seq.cache_scope = scope
     return seq
 
 
@@ -267,18 +270,14 @@ def test_a_sequence_frees_its_tail_first_so_the_prefix_stays_cached_longest() ->
 # reuse policy
 
 
-def test_may_reuse_false_refuses_the_hit_and_counts_a_conflict() -> None:
-    seen: list[tuple[int, Hashable]] = []
-
-    def refuse(block: Block, namespace: Hashable) -> bool:
-        seen.append((block.block_id, namespace))
-        return False
-
-    bm = BlockManager(num_blocks=8, block_size=4, may_reuse=refuse)
+def test_hit_computed_under_other_weights_is_a_conflict_and_refused() -> None:
+    # Same namespace key (a policy that forgot the adapter), but the block's KV was computed
+    # under other weights: the scope check refuses it.
+    bm = BlockManager(num_blocks=8, block_size=4)
     tokens = list(range(9))
-    prefill(bm, make_seq(tokens, request_id="a"))
+    prefill(bm, make_seq(tokens, request_id="a", scope="weights-a"))
 
-    second = make_seq(tokens, request_id="b")
+    second = make_seq(tokens, request_id="b", scope="weights-b")
     assert bm.can_allocate(second, 100)
     bm.allocate(second)
 
@@ -286,11 +285,31 @@ def test_may_reuse_false_refuses_the_hit_and_counts_a_conflict() -> None:
     assert second.block_table == []
     assert bm.stats.conflicts == 1  # can_allocate asks too, but only the admission counts
     assert bm.stats.hit_tokens == 0
-    assert seen and all(ns == NS for _, ns in seen)
 
 
-def test_may_reuse_true_allows_the_hit() -> None:
-    bm = BlockManager(num_blocks=8, block_size=4, may_reuse=lambda block, ns: True)
+def test_may_reuse_decides_scope_mismatches_and_they_are_still_counted() -> None:
+    seen: list[tuple[Hashable, Hashable]] = []
+
+    def observe(block: Block, seq: Sequence) -> bool:
+        seen.append((block.scope, seq.cache_scope))
+        return True
+
+    bm = BlockManager(num_blocks=8, block_size=4, may_reuse=observe)
+    tokens = list(range(9))
+    prefill(bm, make_seq(tokens, request_id="a", scope="weights-a"))
+
+    second = make_seq(tokens, request_id="b", scope="weights-b")
+    bm.allocate(second)
+
+    assert second.num_cached_tokens == 8
+    assert bm.stats.conflicts == 2  # one per reused block
+    assert seen and all(pair == ("weights-a", "weights-b") for pair in seen)
+
+
+def test_may_reuse_is_not_asked_when_scopes_match() -> None:
+    asked: list[int] = []
+    bm = BlockManager(num_blocks=8, block_size=4,
+                      may_reuse=lambda block, seq: bool(asked.append(1)))  # fmt: skip
     tokens = list(range(9))
     prefill(bm, make_seq(tokens, request_id="a"))
 
@@ -298,23 +317,23 @@ def test_may_reuse_true_allows_the_hit() -> None:
     bm.allocate(second)
 
     assert second.num_cached_tokens == 8
-    assert bm.stats.conflicts == 0
+    assert asked == [] and bm.stats.conflicts == 0
 
 
 def test_may_reuse_can_refuse_part_of_a_prefix() -> None:
     bm = BlockManager(num_blocks=8, block_size=4)
     tokens = list(range(12))
-    first = make_seq(tokens, request_id="a")
+    first = make_seq(tokens, request_id="a", scope="weights-a")
     prefill(bm, first)
     refused_block = first.block_table[1]
-    bm.may_reuse = lambda block, ns: block.block_id != refused_block
+    bm.may_reuse = lambda block, seq: block.block_id != refused_block
 
-    second = make_seq([*tokens, 1], request_id="b")
+    second = make_seq([*tokens, 1], request_id="b", scope="weights-b")
     bm.allocate(second)
 
     assert second.num_cached_tokens == 4
     assert second.block_table == first.block_table[:1]
-    assert bm.stats.conflicts == 1
+    assert bm.stats.conflicts == 2
 
 
 # capacity checks

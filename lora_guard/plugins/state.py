@@ -1,0 +1,69 @@
+"""Read-only views of the engine that hooks receive. Policies decide from these; they never
+reach into the engine's own objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """One request as a policy sees it."""
+
+    request_id: str
+    adapter_id: str | None
+    tenant_id: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    arrival_time: float
+    waited_steps: int
+
+
+@dataclass(frozen=True, slots=True)
+class SlotView:
+    """One device slot: the adapter in it (None when free) and how many running requests hold it."""
+
+    slot: int
+    adapter_id: str | None
+    refs: int
+    last_used: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """The engine between two steps.
+
+    :param step: steps run so far.
+    :param now: ``time.monotonic()`` when the view was taken.
+    :param slots: every device slot.
+    :param host_adapters: adapters held in host memory, least recently used first.
+    :param loading: adapters being read from disk.
+    :param memory_watermark: share of the KV pool in use, 0 to 1.
+    :param num_waiting: requests waiting to start.
+    :param num_running: requests running.
+    """
+
+    step: int
+    now: float
+    slots: tuple[SlotView, ...]
+    host_adapters: tuple[str, ...]
+    loading: frozenset[str]
+    memory_watermark: float
+    num_waiting: int
+    num_running: int
+    registered: frozenset[str] = field(default_factory=frozenset)
+
+    def slot_of(self, adapter_id: str) -> int | None:
+        for view in self.slots:
+            if view.adapter_id == adapter_id:
+                return view.slot
+        return None
+
+    @property
+    def free_slots(self) -> tuple[int, ...]:
+        return tuple(v.slot for v in self.slots if v.adapter_id is None)
+
+    @property
+    def idle_slots(self) -> tuple[int, ...]:
+        """Slots no running request holds (free or evictable)."""
+        return tuple(v.slot for v in self.slots if v.refs == 0)
