@@ -20,12 +20,14 @@ from lora_guard.engine.lora import (
     LoRAAdapter,
     SlotPool,
 )
+from lora_guard.plugins.manager import Hooks
 
 
 class Lookup(str, enum.Enum):
     HOT = "hot"
     WARM = "warm"
     COLD = "cold"
+    LOADING = "loading"
 
 
 @dataclass(slots=True)
@@ -60,8 +62,9 @@ class AdapterManager:
         host: HostCache,
         loader: AdapterLoader,
         registry: dict[str, Path] | None = None,
+        events: Hooks | None = None,
     ) -> None:
-        self.pool, self.host, self.loader = pool, host, loader
+        self.pool, self.host, self.loader, self.events = pool, host, loader, events
         self.registry: dict[str, Path] = dict(registry or {})
         self.slots = [SlotState() for _ in range(pool.num_slots)]
         self.stats = AdapterStats()
@@ -94,27 +97,40 @@ class AdapterManager:
         return None
 
     # binding
-    def acquire(self, adapter_id: str) -> Binding | None:
+    def tier(self, adapter_id: str) -> Lookup:
+        """Where ``adapter_id`` is now. Raises :class:`AdapterError` for an unknown adapter."""
+        if self.slot_of(adapter_id) is not None:
+            return Lookup.HOT
+        if adapter_id in self.loader.pending:
+            return Lookup.LOADING
+        if adapter_id in self.host.entries:
+            return Lookup.WARM
+        if adapter_id not in self.registry:
+            raise AdapterError(f"adapter {adapter_id!r} is not known")
+        return Lookup.COLD
+
+    def acquire(self, adapter_id: str, slot: int | None = None) -> Binding | None:
         """Bind a request to ``adapter_id``; None means wait (a load is under way or no slot is
-        free). Raises :class:`AdapterError` when the adapter is unknown or failed to load."""
+        free). A warm adapter goes into ``slot``, or the slot ``choose_slot`` picks. Raises
+        :class:`AdapterError` when the adapter is unknown."""
         now = time.perf_counter()
-        slot = self.slot_of(adapter_id)
-        if slot is not None:
+        resident = self.slot_of(adapter_id)
+        if resident is not None:
             self.stats.lookups[Lookup.HOT] += 1
-            return self._bind(slot, now)
+            return self._bind(resident, now)
         adapter = self.host.get(adapter_id)
         if adapter is None:
-            if adapter_id not in self.registry:
-                raise AdapterError(f"adapter {adapter_id!r} is not known")
-            if adapter_id not in self.loader.pending:
+            if self.tier(adapter_id) is Lookup.COLD:
                 self.stats.lookups[Lookup.COLD] += 1
                 self._load_started[adapter_id] = now
                 self.loader.submit(adapter_id, self.registry[adapter_id])
             return None
-        slot = self.choose_slot()
         if slot is None:
+            slot = self.choose_slot()
+        if slot is None or not 0 <= slot < len(self.slots) or self.slots[slot].refs:
             return None
         started = self._load_started.pop(adapter_id, None)
+        tier = Lookup.COLD if started is not None else Lookup.WARM
         if started is None:
             self.stats.lookups[Lookup.WARM] += 1
             started = now
@@ -122,7 +138,13 @@ class AdapterManager:
         self.pool.load(slot, adapter)
         self.slots[slot] = SlotState(adapter_id, adapter.content_hash, 0, now)
         self.stats.loads += 1
-        self.stats.swap_ms.append((time.perf_counter() - started) * 1000)
+        swap_ms = (time.perf_counter() - started) * 1000
+        self.stats.swap_ms.append(swap_ms)
+        if self.events is not None:
+            self.events.notify(
+                "lora_guard_adapter_loaded",
+                adapter_id=adapter_id, slot=slot, tier=tier.value, swap_ms=swap_ms,
+            )  # fmt: skip
         return self._bind(slot, now)
 
     def release(self, slot: int) -> None:
@@ -162,6 +184,10 @@ class AdapterManager:
         state = self.slots[slot]
         if state.adapter_id is not None:
             self.stats.evictions += 1
+            if self.events is not None:
+                self.events.notify(
+                    "lora_guard_adapter_evicted", adapter_id=state.adapter_id, slot=slot
+                )
         self.pool.clear(slot)
         self.slots[slot] = SlotState()
 

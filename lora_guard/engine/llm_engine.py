@@ -11,13 +11,14 @@ import torch
 
 from lora_guard.engine.adapter_manager import AdapterManager
 from lora_guard.engine.config import ConfigError, EngineConfig
-from lora_guard.engine.kv_cache import BlockManager, KVCache
+from lora_guard.engine.kv_cache import Block, BlockManager, KVCache
 from lora_guard.engine.lora import AdapterLoader, HostCache, SlotPool
 from lora_guard.engine.model import LlamaModel
 from lora_guard.engine.runner import ModelRunner
 from lora_guard.engine.sampling import SamplerInput, SamplingParams, sample
 from lora_guard.engine.scheduler import Scheduler
 from lora_guard.engine.sequence import FinishReason, Sequence
+from lora_guard.plugins.manager import Hooks, make_plugin_manager
 
 MIN_KV_BLOCKS = 4
 
@@ -40,6 +41,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     stop_sequence: str | None = None
+    retry_after: float | None = None  # set when a policy answered "busy, retry later"
 
 
 @dataclass
@@ -57,10 +59,12 @@ class LLMEngine:
         config: EngineConfig,
         adapters: dict[str, str | Path] | None = None,
         adapter_dir: str | Path | None = None,
+        hooks: Hooks | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
         self.config = config
+        self.hooks = hooks if hooks is not None else Hooks(make_plugin_manager())
         model_dir = Path(config.model).expanduser()
         self.model = LlamaModel(model_dir, config.torch_dtype, config.torch_device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -89,7 +93,9 @@ class LLMEngine:
             spec.num_layers, num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
             config.torch_dtype, config.torch_device,
         )  # fmt: skip
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.blocks = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, self._may_reuse
+        )
         self.slot_pool = SlotPool(
             spec, config.max_loras, config.max_lora_rank, config.torch_dtype, config.torch_device
         )
@@ -97,6 +103,7 @@ class LLMEngine:
             self.slot_pool,
             HostCache(config.max_cpu_loras),
             AdapterLoader(spec, config.max_lora_rank),
+            events=self.hooks,
         )
         if adapter_dir is not None:
             for folder in sorted(Path(adapter_dir).expanduser().iterdir()):
@@ -106,7 +113,7 @@ class LLMEngine:
             self.adapters.register(adapter_id, Path(path).expanduser())
         self.scheduler = Scheduler(
             self.blocks, self.adapters, self.bind_cache, config.max_batch_tokens,
-            config.max_num_seqs,
+            config.max_num_seqs, self.hooks,
         )  # fmt: skip
         self.runner = ModelRunner(self.model, self.kv_cache, self.slot_pool, config.block_size)
         self.requests: dict[str, Sequence] = {}
@@ -114,16 +121,20 @@ class LLMEngine:
 
     def bind_cache(self, seq: Sequence, content_hash: str | None) -> None:
         """Set ``seq``'s prefix-cache scope (the weights its KV is computed under) and namespace
-        (the key its blocks are shared by; by default the scope itself)."""
-        seq.cache_scope = (
-            "base",
-            self.model_id,
-            "adapter",
-            seq.adapter_id,
-            "weights",
-            content_hash,
+        (the key its blocks are shared by: the scope, unless a plugin says otherwise)."""
+        scope = ("base", self.model_id, "adapter", seq.adapter_id, "weights", content_hash)
+        namespace = None
+        if self.hooks.has("lora_guard_cache_namespace"):
+            namespace = self.hooks.cache_namespace(
+                request=seq.view(), base_model_id=self.model_id, adapter_hash=content_hash
+            )
+        seq.cache_scope = scope
+        seq.cache_namespace = scope if namespace is None else namespace
+
+    def _may_reuse(self, block: Block, seq: Sequence) -> bool:
+        return self.hooks.cache_reuse(
+            request=seq.view(), block_scope=block.scope, request_scope=seq.cache_scope
         )
-        seq.cache_namespace = seq.cache_scope
 
     # requests
     def add_request(
@@ -176,6 +187,7 @@ class LLMEngine:
             return None
         self.scheduler.finish(seq)
         seq.finish_reason = FinishReason.ABORT
+        self._finished(seq)
         return self._output(seq)
 
     def has_unfinished_requests(self) -> bool:
@@ -186,8 +198,8 @@ class LLMEngine:
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         outputs = []
-        for seq, reason in plan.failed:
-            outputs.append(self._fail(seq, reason))
+        for failure in plan.failed:
+            outputs.append(self._fail(failure.seq, failure.reason, failure.retry_after))
         self.stats.preemptions += len(plan.preempted)
         if not plan.scheduled:
             return outputs
@@ -218,7 +230,13 @@ class LLMEngine:
             outputs.append(self._after_token(seq, token))
         self.stats.steps += 1
         self.stats.prompt_tokens += plan.num_tokens - len(result.sampled)
-        self.stats.step_times.append(time.perf_counter() - started)
+        duration = time.perf_counter() - started
+        self.stats.step_times.append(duration)
+        self.hooks.notify(
+            "lora_guard_step_finished",
+            state=self.scheduler.state(), num_tokens=plan.num_tokens, duration_s=duration,
+            kv_conflicts=self.blocks.stats.conflicts, cached_tokens=self.blocks.stats.hit_tokens,
+        )  # fmt: skip
         return outputs
 
     def _after_token(self, seq: Sequence, token: int) -> RequestOutput:
@@ -240,13 +258,23 @@ class LLMEngine:
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
             self.requests.pop(seq.request_id, None)
+            self._finished(seq)
         return self._output(seq, text, stop_sequence)
 
-    def _fail(self, seq: Sequence, reason: str) -> RequestOutput:
+    def _fail(self, seq: Sequence, reason: str, retry_after: float | None = None) -> RequestOutput:
         self.scheduler.finish(seq)
         self.requests.pop(seq.request_id, None)
-        seq.finish_reason, seq.error = FinishReason.ERROR, reason
+        seq.finish_reason, seq.error, seq.retry_after = FinishReason.ERROR, reason, retry_after
+        self._finished(seq)
         return self._output(seq)
+
+    def _finished(self, seq: Sequence) -> None:
+        assert seq.finish_reason is not None
+        self.hooks.notify(
+            "lora_guard_request_finished",
+            request=seq.view(), finish_reason=seq.finish_reason.value, error=seq.error,
+            num_cached_tokens=seq.num_cached_tokens,
+        )  # fmt: skip
 
     def _decode(self, seq: Sequence) -> str:
         return str(self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True))
@@ -265,6 +293,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             error=seq.error,
             stop_sequence=stop_sequence,
+            retry_after=seq.retry_after,
         )
 
     # inspection

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lora_guard.engine.sampling import SamplingParams
+from lora_guard.plugins.state import RequestView
 
 
 class Status(enum.Enum):
@@ -42,6 +43,7 @@ class Sequence:
     cache_namespace: Hashable = None
     cache_scope: Hashable = None
     waited_steps: int = 0
+    adapter_looked_up: bool = False
     status: Status = Status.WAITING
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -53,6 +55,7 @@ class Sequence:
     lora_slot: int | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
+    retry_after: float | None = None
     generator: torch.Generator | None = None
     first_token_time: float | None = None
 
@@ -75,3 +78,14 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    def view(self) -> RequestView:
+        return RequestView(
+            request_id=self.request_id,
+            adapter_id=self.adapter_id,
+            tenant_id=self.tenant_id,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=len(self.token_ids) - self.num_prompt_tokens,
+            arrival_time=self.arrival_time,
+            waited_steps=self.waited_steps,
+        )

@@ -1,0 +1,186 @@
+"""The hook contract of lora-guard (pluggy project name ``lora_guard``).
+
+A plugin is a module or object with functions marked ``@lora_guard.hookimpl`` and named after the
+specs below. Deciding hooks are ``firstresult``: the first plugin that returns something other
+than None decides, in pluggy's call order (last registered first; ``tryfirst``/``trylast`` move
+a plugin).
+Observer hooks return nothing and are called on every plugin. The engine always calls hooks with
+keyword arguments, so an implementation may accept any subset of a spec's arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import pluggy
+
+from lora_guard.plugins.decisions import AdapterDecision
+from lora_guard.plugins.options import OptionRegistry
+from lora_guard.plugins.state import EngineState, RequestView
+
+PROJECT = "lora_guard"
+hookspec = pluggy.HookspecMarker(PROJECT)
+
+
+# start-up
+
+
+@hookspec(historic=True)
+def lora_guard_add_options(options: OptionRegistry) -> None:
+    """Declare the plugin's own settings (they become ``--flags``, ``LORA_GUARD_*`` variables and
+    config-file keys).
+
+    :param options: call ``options.add(name, type, default, help)`` for each setting.
+
+    Historic: a plugin registered late still gets the call.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(historic=True)
+def lora_guard_configure(config: dict[str, Any]) -> None:
+    """Read the settings once they are final, before the engine serves anything.
+
+    :param config: every setting by name (underscored), the plugins' own included.
+
+    Historic. Raise to refuse to start; the message is shown to the operator.
+
+    .. versionadded:: 0.1
+    """
+
+
+# decisions
+
+
+@hookspec(firstresult=True)
+def lora_guard_adapter_load(
+    request: RequestView, tier: str, state: EngineState
+) -> AdapterDecision | None:
+    """A waiting request needs an adapter that is not in a device slot.
+
+    :param request: the request.
+    :param tier: ``"warm"`` (the adapter is in host memory and needs a slot) or ``"cold"`` (it
+        must be read from disk first; the read runs on the loader thread).
+    :param state: the engine between steps.
+    :return: ``Load(slot)`` to go ahead (for a warm adapter, into ``slot``, or the least recently
+        used idle slot when ``slot`` is None), ``Defer()`` to wait a step, ``Reject(reason,
+        retry_after)`` to fail the request with ``BusyRetry``, or None to leave it to the next
+        plugin (the engine's default: load, least recently used slot).
+
+    Firstresult. Called again at each step until the request is bound or rejected.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def lora_guard_batch_form(
+    waiting: Sequence[RequestView], running: Sequence[RequestView], state: EngineState
+) -> list[str] | None:
+    """The scheduler builds the next step: which waiting requests may start, in what order.
+
+    :param waiting: requests waiting to start, oldest first.
+    :param running: requests already running (they keep their place).
+    :param state: the engine between steps.
+    :return: request ids of ``waiting`` to offer a place, in order; ids left out wait this step.
+        None: first come, first served.
+
+    Firstresult. Requests offered a place still need room in the token budget and KV pool.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def lora_guard_cache_namespace(
+    request: RequestView, base_model_id: str, adapter_hash: str | None
+) -> Hashable | None:
+    """The namespace mixed into the prefix-cache keys of the request's KV blocks: only requests
+    with equal namespaces share cached blocks.
+
+    :param request: the request being admitted.
+    :param base_model_id: the base model's id.
+    :param adapter_hash: sha256 of the adapter's files, None for the base model.
+    :return: a hashable namespace, or None for the default ``(base model, adapter id, adapter
+        hash)``.
+
+    Firstresult.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def lora_guard_cache_reuse(
+    request: RequestView, block_scope: Hashable, request_scope: Hashable
+) -> bool | None:
+    """A cached block matched the request's namespace and tokens, but its KV was computed under
+    other weights (``block_scope`` differs from ``request_scope``). This is always counted as a
+    ``kv_namespace_conflict``.
+
+    :param request: the request being admitted.
+    :param block_scope: (base model, adapter id, adapter hash) that computed the block.
+    :param request_scope: the same for the request.
+    :return: True to reuse the block anyway (observe mode, to show the hazard), False or None to
+        refuse it.
+
+    Firstresult.
+
+    .. versionadded:: 0.1
+    """
+
+
+# observers
+
+
+@hookspec
+def lora_guard_adapter_loaded(adapter_id: str, slot: int, tier: str, swap_ms: float) -> None:
+    """An adapter is ready in a device slot.
+
+    :param tier: ``"warm"`` (from host memory) or ``"cold"`` (read from disk).
+    :param swap_ms: from the start of the load to the slot being ready.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def lora_guard_adapter_evicted(adapter_id: str, slot: int) -> None:
+    """An adapter left a device slot to make room for another.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def lora_guard_adapter_lookup(request: RequestView, result: str) -> None:
+    """A request looked for its adapter: ``result`` is ``"hot"``, ``"warm"`` or ``"cold"``.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def lora_guard_request_finished(
+    request: RequestView, finish_reason: str, error: str | None, num_cached_tokens: int
+) -> None:
+    """A request ended: ``length``, ``eos_token``, ``stop_sequence``, ``error`` or ``abort``.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def lora_guard_step_finished(
+    state: EngineState, num_tokens: int, duration_s: float, kv_conflicts: int, cached_tokens: int
+) -> None:
+    """A step ran.
+
+    :param num_tokens: tokens computed in the step.
+    :param kv_conflicts: prefix-cache conflicts counted so far (cumulative).
+    :param cached_tokens: prompt tokens served from the prefix cache so far (cumulative).
+
+    .. versionadded:: 0.1
+    """

@@ -1,0 +1,167 @@
+"""Finds, registers and calls plugins.
+
+Order of registration: built-in plugins, then entry points of the group ``lora_guard`` (unless
+``LORA_GUARD_DISABLE_PLUGIN_AUTOLOAD`` is set), then ``--plugin module[:object]``. A name given to
+``--disable-plugin`` is blocked before anything registers, so it never loads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
+
+import pluggy
+
+from lora_guard.plugins import hookspecs
+from lora_guard.plugins.decisions import AdapterDecision, BusyRetry
+from lora_guard.plugins.options import OptionRegistry
+from lora_guard.plugins.state import EngineState, RequestView
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "lora_guard"
+DISABLE_AUTOLOAD_ENV = "LORA_GUARD_DISABLE_PLUGIN_AUTOLOAD"
+# Built-in plugins by name; policies and metrics register here as they are added.
+BUILTIN_PLUGINS: dict[str, str] = {}
+
+
+class PluginError(RuntimeError):
+    """A plugin could not be loaded or does not fit the hook contract."""
+
+
+def make_plugin_manager(
+    plugins: Iterable[str] = (),
+    disabled: Iterable[str] = (),
+    builtins: dict[str, str] | None = None,
+) -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    for name in disabled:
+        pm.set_blocked(name)
+    for name, module in (BUILTIN_PLUGINS if builtins is None else builtins).items():
+        if not pm.is_blocked(name):
+            _register(pm, _import(module, f"built-in plugin {name}"), name)
+    if not os.environ.get(DISABLE_AUTOLOAD_ENV):
+        try:
+            pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+        except Exception as exc:
+            raise PluginError(f"a plugin of entry-point group {ENTRY_POINT_GROUP!r} failed to "
+                              f"load: {exc}") from exc  # fmt: skip
+    for spec in plugins:
+        if pm.is_blocked(spec) or pm.has_plugin(spec):
+            continue
+        module_name, _, attr = spec.partition(":")
+        obj = _import(module_name, f"plugin {spec!r}")
+        if attr:
+            try:
+                obj = getattr(obj, attr)
+            except AttributeError:
+                raise PluginError(f"plugin {spec!r}: {module_name} has no {attr!r}") from None
+        _register(pm, obj, spec)
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(f"a plugin does not fit the hook contract: {exc}") from exc
+    return pm
+
+
+def _register(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:
+    try:
+        pm.register(plugin, name=name)
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(f"plugin {name!r} does not fit the hook contract: {exc}") from exc
+
+
+def _import(module_name: str, what: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except Exception as exc:
+        raise PluginError(f"{what}: cannot import {module_name!r}: {exc}") from exc
+
+
+class Hooks:
+    """Typed, keyword-only calls into the plugins, one method per hook.
+
+    A plugin that raises while deciding is a fault: it is logged and counted in ``faults``, and the
+    decision falls to the engine's default. ``BusyRetry`` is a decision, not a fault.
+    """
+
+    def __init__(self, pm: pluggy.PluginManager) -> None:
+        self.pm = pm
+        self.faults = 0
+        self.options = OptionRegistry()
+        pm.hook.lora_guard_add_options.call_historic(kwargs={"options": self.options})
+
+    def names(self) -> list[str]:
+        return sorted(name for name, _ in self.pm.list_name_plugin())
+
+    def has(self, hook_name: str) -> bool:
+        return bool(getattr(self.pm.hook, hook_name).get_hookimpls())
+
+    def configure(self, config: dict[str, Any]) -> None:
+        merged = {**self.options.defaults(), **config}
+        try:
+            self.pm.hook.lora_guard_configure.call_historic(kwargs={"config": merged})
+        except Exception as exc:
+            raise PluginError(f"a plugin refused the configuration: {exc}") from exc
+
+    def adapter_load(
+        self, *, request: RequestView, tier: str, state: EngineState
+    ) -> AdapterDecision | None:
+        result: AdapterDecision | None = self._decide(
+            self.pm.hook.lora_guard_adapter_load, request=request, tier=tier, state=state
+        )
+        return result
+
+    def batch_form(
+        self,
+        *,
+        waiting: Sequence[RequestView],
+        running: Sequence[RequestView],
+        state: EngineState,
+    ) -> list[str] | None:
+        result: list[str] | None = self._decide(
+            self.pm.hook.lora_guard_batch_form, waiting=waiting, running=running, state=state
+        )
+        return result
+
+    def cache_namespace(
+        self, *, request: RequestView, base_model_id: str, adapter_hash: str | None
+    ) -> Hashable | None:
+        result: Hashable | None = self._decide(
+            self.pm.hook.lora_guard_cache_namespace,
+            request=request, base_model_id=base_model_id, adapter_hash=adapter_hash,
+        )  # fmt: skip
+        return result
+
+    def cache_reuse(
+        self, *, request: RequestView, block_scope: Hashable, request_scope: Hashable
+    ) -> bool:
+        return bool(
+            self._decide(
+                self.pm.hook.lora_guard_cache_reuse,
+                request=request,
+                block_scope=block_scope,
+                request_scope=request_scope,
+            )
+        )
+
+    def notify(self, hook_name: str, **kwargs: Any) -> None:
+        """Call an observer hook; a plugin that raises is logged and counted, never fatal."""
+        hook = getattr(self.pm.hook, hook_name)
+        if hook.get_hookimpls():
+            self._decide(hook, **kwargs)
+
+    def _decide(self, hook: Callable[..., Any], **kwargs: Any) -> Any:
+        try:
+            return hook(**kwargs)
+        except BusyRetry:
+            raise
+        except Exception:
+            self.faults += 1
+            log.exception("plugin fault in %s (counted; the engine default applies)",
+                          getattr(hook, "name", hook))  # fmt: skip
+            return None
