@@ -171,6 +171,10 @@ class AdapterManager:
                 self._load_started.pop(adapter_id, None)
                 self.stats.failures += 1
                 failed[adapter_id] = result
+                if self.events is not None:
+                    self.events.notify(
+                        "lora_guard_adapter_load_failed", adapter_id=adapter_id, error=str(result)
+                    )
         return failed
 
     def _bind(self, slot: int, now: float) -> Binding:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence as SequenceOf
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 from lora_guard.engine.config import EngineConfig
 from lora_guard.engine.llm_engine import LLMEngine, RequestOutput
 from lora_guard.engine.sampling import SamplingParams
+from lora_guard.plugins.manager import Hooks, make_plugin_manager
 
 _IDLE_WAIT_S = 0.001
 
@@ -31,6 +33,12 @@ class LLM:
     :param enable_prefix_caching: reuse KV blocks of shared prefixes within one namespace.
     :param dtype: ``float32``, ``bfloat16`` or ``float16`` (default: float32 on CPU).
     :param device: ``cpu`` or ``cuda`` (default: cuda when available).
+    :param policies: ``"hot-set,cold-budget,kv-namespace"`` (the default), any subset of them, or
+        one baseline: ``"lru"``, ``"on-demand"``, ``"static"``.
+    :param plugins: more plugins, ``"module[:object]"``.
+    :param disabled_plugins: plugin names not to load (built-ins and entry points alike).
+    :param settings: plugin settings by name (``{"cold_loads_per_minute": 6}``); see
+        ``docs/policies.md``.
     """
 
     def __init__(
@@ -51,6 +59,10 @@ class LLM:
         dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
         model_id: str | None = None,
+        policies: str | SequenceOf[str] | None = None,
+        plugins: SequenceOf[str] = (),
+        disabled_plugins: SequenceOf[str] = (),
+        settings: dict[str, Any] | None = None,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -67,7 +79,9 @@ class LLM:
             dtype=dtype,
             device=device,
         )
-        self.engine = LLMEngine(config, adapters=adapters, adapter_dir=adapter_dir)
+        hooks = Hooks(make_plugin_manager(policies, plugins, disabled_plugins))
+        hooks.configure({**asdict(config), **(settings or {})})
+        self.engine = LLMEngine(config, adapters=adapters, adapter_dir=adapter_dir, hooks=hooks)
         self._ids = itertools.count()
 
     @property

@@ -273,7 +273,7 @@ class LLMEngine:
         self.hooks.notify(
             "lora_guard_request_finished",
             request=seq.view(), finish_reason=seq.finish_reason.value, error=seq.error,
-            num_cached_tokens=seq.num_cached_tokens,
+            retry_after=seq.retry_after, num_cached_tokens=seq.num_cached_tokens,
         )  # fmt: skip
 
     def _decode(self, seq: Sequence) -> str:

@@ -92,6 +92,8 @@ class Scheduler:
                 num_waiting=len(self.waiting),
                 num_running=len(self.running),
                 registered=frozenset(adapters.registry),
+                waiting_adapters=tuple(s.adapter_id for s in self.waiting if s.adapter_id),
+                running_adapters=tuple(s.adapter_id for s in self.running if s.adapter_id),
             )
         return self._state
 

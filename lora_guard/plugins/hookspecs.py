@@ -163,10 +163,26 @@ def lora_guard_adapter_lookup(request: RequestView, result: str) -> None:
 
 
 @hookspec
+def lora_guard_adapter_load_failed(adapter_id: str, error: str) -> None:
+    """Reading an adapter from disk failed (corrupt, missing, refused); its waiting requests fail.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
 def lora_guard_request_finished(
-    request: RequestView, finish_reason: str, error: str | None, num_cached_tokens: int
+    request: RequestView,
+    finish_reason: str,
+    error: str | None,
+    retry_after: float | None,
+    num_cached_tokens: int,
 ) -> None:
     """A request ended: ``length``, ``eos_token``, ``stop_sequence``, ``error`` or ``abort``.
+
+    :param error: why it failed, for ``error``.
+    :param retry_after: set when a policy rejected it with ``BusyRetry``.
+    :param num_cached_tokens: prompt tokens served from the prefix cache.
 
     .. versionadded:: 0.1
     """

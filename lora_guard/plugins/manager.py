@@ -1,8 +1,10 @@
 """Finds, registers and calls plugins.
 
-Order of registration: built-in plugins, then entry points of the group ``lora_guard`` (unless
+Order of registration: built-in plugins (the policies chosen with ``--policies``, then the
+always-on ones such as metrics), then entry points of the group ``lora_guard`` (unless
 ``LORA_GUARD_DISABLE_PLUGIN_AUTOLOAD`` is set), then ``--plugin module[:object]``. A name given to
-``--disable-plugin`` is blocked before anything registers, so it never loads.
+``--disable-plugin`` is blocked before anything registers, so it never loads. A built-in given as
+``module:Class`` is instantiated once per plugin manager, so each engine has its own state.
 """
 
 from __future__ import annotations
@@ -24,8 +26,29 @@ log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "lora_guard"
 DISABLE_AUTOLOAD_ENV = "LORA_GUARD_DISABLE_PLUGIN_AUTOLOAD"
-# Built-in plugins by name; policies and metrics register here as they are added.
-BUILTIN_PLUGINS: dict[str, str] = {}
+GUARD_POLICIES = ("hot-set", "cold-budget", "kv-namespace")
+BASELINE_POLICIES = ("lru", "on-demand", "static")
+DEFAULT_POLICIES = GUARD_POLICIES
+POLICY_PLUGINS: dict[str, str] = {}  # policy name -> "module:Class", filled as policies land
+ALWAYS_ON_PLUGINS: dict[str, str] = {}  # e.g. metrics
+
+
+def parse_policies(policies: str | Iterable[str] | None) -> tuple[str, ...]:
+    """Validate a ``--policies`` value: any of the guard policies, or one baseline alone."""
+    if policies is None:
+        return DEFAULT_POLICIES
+    names = [p.strip() for p in (policies.split(",") if isinstance(policies, str) else policies)]
+    names = [n for n in names if n]
+    unknown = [n for n in names if n not in GUARD_POLICIES + BASELINE_POLICIES]
+    if unknown:
+        raise PluginError(
+            f"unknown policy {unknown[0]!r}; choose from {', '.join(GUARD_POLICIES)} "
+            f"or one of {', '.join(BASELINE_POLICIES)}"
+        )
+    baselines = [n for n in names if n in BASELINE_POLICIES]
+    if baselines and len(names) > 1:
+        raise PluginError(f"baseline policy {baselines[0]!r} cannot be combined with others")
+    return tuple(dict.fromkeys(names))
 
 
 class PluginError(RuntimeError):
@@ -33,17 +56,21 @@ class PluginError(RuntimeError):
 
 
 def make_plugin_manager(
+    policies: str | Iterable[str] | None = None,
     plugins: Iterable[str] = (),
     disabled: Iterable[str] = (),
-    builtins: dict[str, str] | None = None,
 ) -> pluggy.PluginManager:
+    """A plugin manager with the chosen policies (default: the three guard policies), the
+    always-on built-ins, entry-point plugins and ``plugins`` (``module[:object]``)."""
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     for name in disabled:
         pm.set_blocked(name)
-    for name, module in (BUILTIN_PLUGINS if builtins is None else builtins).items():
+    builtins = {n: POLICY_PLUGINS[n] for n in parse_policies(policies) if n in POLICY_PLUGINS}
+    builtins.update(ALWAYS_ON_PLUGINS)
+    for name, target in builtins.items():
         if not pm.is_blocked(name):
-            _register(pm, _import(module, f"built-in plugin {name}"), name)
+            _register(pm, _load_builtin(target, name), name)
     if not os.environ.get(DISABLE_AUTOLOAD_ENV):
         try:
             pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
@@ -73,6 +100,16 @@ def _register(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:
         pm.register(plugin, name=name)
     except pluggy.PluginValidationError as exc:
         raise PluginError(f"plugin {name!r} does not fit the hook contract: {exc}") from exc
+
+
+def _load_builtin(target: str, name: str) -> Any:
+    module_name, _, attr = target.partition(":")
+    obj = _import(module_name, f"built-in plugin {name}")
+    if attr:
+        obj = getattr(obj, attr)
+        if isinstance(obj, type):
+            obj = obj()
+    return obj
 
 
 def _import(module_name: str, what: str) -> Any:

@@ -41,6 +41,9 @@ class EngineState:
     :param memory_watermark: share of the KV pool in use, 0 to 1.
     :param num_waiting: requests waiting to start.
     :param num_running: requests running.
+    :param registered: every adapter id the engine knows.
+    :param waiting_adapters: adapter ids of the waiting requests (with repeats).
+    :param running_adapters: adapter ids of the running requests (with repeats).
     """
 
     step: int
@@ -52,6 +55,8 @@ class EngineState:
     num_waiting: int
     num_running: int
     registered: frozenset[str] = field(default_factory=frozenset)
+    waiting_adapters: tuple[str, ...] = ()
+    running_adapters: tuple[str, ...] = ()
 
     def slot_of(self, adapter_id: str) -> int | None:
         for view in self.slots:
