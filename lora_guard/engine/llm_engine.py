@@ -144,6 +144,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         adapter_id: str | None = None,
         tenant_id: str = "default",
+        cache_salt: str | None = None,
     ) -> Sequence:
         params = params or SamplingParams()
         if request_id in self.requests:
@@ -163,8 +164,9 @@ class LLMEngine:
                 "`max_new_tokens`"
             )
         seq = Sequence(
-            request_id, token_ids, params, adapter_id, tenant_id, arrival_time=time.monotonic()
-        )
+            request_id, token_ids, params, adapter_id, tenant_id,
+            arrival_time=time.monotonic(), cache_salt=cache_salt,
+        )  # fmt: skip
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.config.torch_device)
             seq.generator.manual_seed(params.seed)

@@ -40,6 +40,7 @@ class Sequence:
     adapter_id: str | None
     tenant_id: str = "default"
     arrival_time: float = 0.0
+    cache_salt: str | None = None
     cache_namespace: Hashable = None
     cache_scope: Hashable = None
     waited_steps: int = 0
@@ -88,4 +89,5 @@ class Sequence:
             num_output_tokens=len(self.token_ids) - self.num_prompt_tokens,
             arrival_time=self.arrival_time,
             waited_steps=self.waited_steps,
+            cache_salt=self.cache_salt,
         )

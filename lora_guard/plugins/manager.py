@@ -27,10 +27,16 @@ log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "lora_guard"
 DISABLE_AUTOLOAD_ENV = "LORA_GUARD_DISABLE_PLUGIN_AUTOLOAD"
 GUARD_POLICIES = ("hot-set", "cold-budget", "kv-namespace")
-BASELINE_POLICIES = ("lru", "on-demand", "static")
+BASELINE_POLICIES = ("lru", "on-demand")
 DEFAULT_POLICIES = GUARD_POLICIES
-POLICY_PLUGINS: dict[str, str] = {}  # policy name -> "module:Class", filled as policies land
-ALWAYS_ON_PLUGINS: dict[str, str] = {}  # e.g. metrics
+POLICY_PLUGINS: dict[str, str] = {
+    "hot-set": "lora_guard.policies.hot_set:HotSetPolicy",
+    "cold-budget": "lora_guard.policies.cold_budget:ColdLoadBudget",
+    "kv-namespace": "lora_guard.policies.kv_namespace:KVNamespacePolicy",
+    "lru": "lora_guard.policies.baselines:LRUPolicy",
+    "on-demand": "lora_guard.policies.baselines:OnDemandPolicy",
+}
+ALWAYS_ON_PLUGINS: dict[str, str] = {"metrics": "lora_guard.metrics:MetricsPlugin"}
 
 
 def parse_policies(policies: str | Iterable[str] | None) -> tuple[str, ...]:

@@ -17,6 +17,7 @@ class RequestView:
     num_output_tokens: int
     arrival_time: float
     waited_steps: int
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,154 @@
+"""Hot-set admission: keep the adapters with the most traffic resident, and form batches that
+hit them.
+
+Heat is the number of requests per (tenant, adapter) over a sliding window. The hot set is the
+pinned adapters (``pin``) plus the ``hot_set_size`` hottest; a hot adapter is never evicted for a
+colder one, and a pinned one never at all. A warm adapter takes a free slot, else the idle slot
+holding the coldest adapter outside the hot set; a tenant already holding its fair share of the
+slots may evict only its own. Batch form offers requests whose adapter is resident first, caps the
+distinct adapters per step (``max_loras_per_batch``), and puts any request that has waited
+``max_wait_steps`` ahead of all others, so none starves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Sequence
+from typing import Any
+
+from lora_guard.plugins import Defer, Load, hookimpl
+from lora_guard.plugins.decisions import AdapterDecision
+from lora_guard.plugins.options import OptionRegistry
+from lora_guard.plugins.state import EngineState, RequestView
+
+
+def _id_list(value: Any) -> tuple[str, ...]:
+    if not value:
+        return ()
+    if isinstance(value, str):
+        value = value.split(",")
+    return tuple(v.strip() for v in value if v.strip())
+
+
+class HotSetPolicy:
+    def __init__(self) -> None:
+        self.hot_set_size = 4
+        self.pinned: tuple[str, ...] = ()
+        self.max_loras_per_batch = 0
+        self.max_wait_steps = 16
+        self.window_s = 60.0
+        self.events: deque[tuple[float, str, str]] = deque()  # (time, tenant, adapter)
+        self.heat: Counter[str] = Counter()
+        self.tenant_heat: Counter[tuple[str, str]] = Counter()
+
+    @hookimpl
+    def lora_guard_add_options(self, options: OptionRegistry) -> None:
+        options.add("hot_set_size", int, 4, "adapters kept resident by heat (besides pinned ones)")
+        options.add("pin", _id_list, (), "adapter ids kept resident once loaded, never evicted")
+        options.add(
+            "max_loras_per_batch",
+            int,
+            0,
+            "most distinct adapters in one step (0: as many as slots)",
+        )
+        options.add(
+            "max_wait_steps", int, 16, "a request waiting this many steps goes ahead of all others"
+        )
+        options.add("heat_window_s", float, 60.0, "sliding window of the heat count, seconds")
+
+    @hookimpl
+    def lora_guard_configure(self, config: dict[str, Any]) -> None:
+        slots = int(config.get("max_loras", 8))
+        self.hot_set_size = int(config.get("hot_set_size", min(4, slots)))
+        self.pinned = _id_list(config.get("pin"))
+        self.max_loras_per_batch = int(config.get("max_loras_per_batch", 0))
+        self.max_wait_steps = int(config.get("max_wait_steps", 16))
+        self.window_s = float(config.get("heat_window_s", 60.0))
+        if len(self.pinned) > slots:
+            raise ValueError(f"{len(self.pinned)} pinned adapters do not fit in {slots} slots")
+        if self.hot_set_size < 0 or self.max_loras_per_batch < 0 or self.max_wait_steps < 1:
+            raise ValueError("hot_set_size and max_loras_per_batch must be >= 0, "
+                             "max_wait_steps >= 1")  # fmt: skip
+
+    # heat
+    @hookimpl
+    def lora_guard_adapter_lookup(self, request: RequestView, result: str) -> None:
+        if request.adapter_id is None:
+            return
+        self.events.append((request.arrival_time, request.tenant_id, request.adapter_id))
+        self.heat[request.adapter_id] += 1
+        self.tenant_heat[request.tenant_id, request.adapter_id] += 1
+
+    def _cool(self, now: float) -> None:
+        while self.events and self.events[0][0] <= now - self.window_s:
+            _, tenant, adapter = self.events.popleft()
+            self.heat[adapter] -= 1
+            self.tenant_heat[tenant, adapter] -= 1
+
+    def hot_set(self, now: float) -> set[str]:
+        self._cool(now)
+        hottest = [a for a, n in self.heat.most_common() if n > 0][: self.hot_set_size]
+        return set(self.pinned) | set(hottest)
+
+    def owner(self, adapter: str) -> str | None:
+        """The tenant that sends an adapter most of its traffic."""
+        best = max(
+            ((n, t) for (t, a), n in self.tenant_heat.items() if a == adapter and n > 0),
+            default=None,
+        )
+        return best[1] if best else None
+
+    # adapter load
+    @hookimpl
+    def lora_guard_adapter_load(
+        self, request: RequestView, tier: str, state: EngineState
+    ) -> AdapterDecision | None:
+        if tier == "cold":
+            return None  # reading into host memory needs no slot
+        if state.free_slots:
+            return Load(state.free_slots[0])
+        hot = self.hot_set(state.now)
+        idle = [v for v in state.slots if v.refs == 0 and v.adapter_id not in self.pinned]
+        candidates = [v for v in idle if v.adapter_id not in hot]
+        if not candidates and request.adapter_id in hot:
+            candidates = idle  # a hot adapter may displace a colder hot one
+        tenants = {t for (t, _), n in self.tenant_heat.items() if n > 0}
+        fair_share = math.ceil(len(state.slots) / max(len(tenants), 1))
+        held = sum(
+            1 for v in state.slots if v.adapter_id and self.owner(v.adapter_id) == request.tenant_id
+        )
+        if held >= fair_share:
+            candidates = [
+                v for v in candidates if self.owner(v.adapter_id or "") in (request.tenant_id, None)
+            ]
+        if not candidates:
+            return Defer("no slot may be evicted for this adapter now")
+        victim = min(candidates, key=lambda v: (self.heat[v.adapter_id or ""], v.last_used))
+        return Load(victim.slot)
+
+    # batch form
+    @hookimpl
+    def lora_guard_batch_form(
+        self, waiting: Sequence[RequestView], running: Sequence[RequestView], state: EngineState
+    ) -> list[str]:
+        resident = {v.adapter_id for v in state.slots if v.adapter_id is not None}
+        aged = [r for r in waiting if r.waited_steps >= self.max_wait_steps]
+        ready = [
+            r
+            for r in waiting
+            if r not in aged and (r.adapter_id is None or r.adapter_id in resident)
+        ]
+        rest = [r for r in waiting if r not in aged and r not in ready]
+        hot = self.hot_set(state.now)
+        rest.sort(key=lambda r: (r.adapter_id not in hot, -self.heat[r.adapter_id or ""]))
+        cap = self.max_loras_per_batch or len(state.slots)
+        adapters = {r.adapter_id for r in running if r.adapter_id is not None}
+        chosen = []
+        for r in [*aged, *ready, *rest]:
+            if r.adapter_id is not None and r.adapter_id not in adapters:
+                if len(adapters) >= cap and r not in aged:
+                    continue
+                adapters.add(r.adapter_id)
+            chosen.append(r.request_id)
+        return chosen
