@@ -204,6 +204,8 @@ class LLMEngine:
             outputs.append(self._fail(failure.seq, failure.reason, failure.retry_after))
         self.stats.preemptions += len(plan.preempted)
         if not plan.scheduled:
+            if plan.failed:
+                self._step_finished(0, time.perf_counter() - started)
             return outputs
         for src, dst in self.blocks.pending_copies:
             self.kv_cache.copy_block(src, dst, self.config.block_size)
@@ -234,12 +236,15 @@ class LLMEngine:
         self.stats.prompt_tokens += plan.num_tokens - len(result.sampled)
         duration = time.perf_counter() - started
         self.stats.step_times.append(duration)
+        self._step_finished(plan.num_tokens, duration)
+        return outputs
+
+    def _step_finished(self, num_tokens: int, duration: float) -> None:
         self.hooks.notify(
             "lora_guard_step_finished",
-            state=self.scheduler.state(), num_tokens=plan.num_tokens, duration_s=duration,
+            state=self.scheduler.state(fresh=True), num_tokens=num_tokens, duration_s=duration,
             kv_conflicts=self.blocks.stats.conflicts, cached_tokens=self.blocks.stats.hit_tokens,
         )  # fmt: skip
-        return outputs
 
     def _after_token(self, seq: Sequence, token: int) -> RequestOutput:
         params = seq.params

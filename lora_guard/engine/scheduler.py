@@ -75,9 +75,9 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def state(self) -> EngineState:
-        """A read-only view of the engine for the hooks, taken once per step."""
-        if self._state is None:
+    def state(self, *, fresh: bool = False) -> EngineState:
+        """A read-only view of the engine for the hooks, taken once per scheduling pass."""
+        if self._state is None or fresh:
             adapters = self.adapters
             self._state = EngineState(
                 step=self.num_steps,

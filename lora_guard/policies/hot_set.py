@@ -2,7 +2,8 @@
 hit them.
 
 Heat is the number of requests per (tenant, adapter) over a sliding window. The hot set is the
-pinned adapters (``pin``) plus the ``hot_set_size`` hottest; a hot adapter is never evicted for a
+pinned adapters (``pin``) plus the ``hot_set_size`` hottest (default: all slots but one, which
+serves the cold tail); a hot adapter is never evicted for a
 colder one, and a pinned one never at all. A warm adapter takes a free slot, else the idle slot
 holding the coldest adapter outside the hot set; a tenant already holding its fair share of the
 slots may evict only its own. Batch form offers requests whose adapter is resident first, caps the
@@ -44,7 +45,10 @@ class HotSetPolicy:
 
     @hookimpl
     def lora_guard_add_options(self, options: OptionRegistry) -> None:
-        options.add("hot_set_size", int, 4, "adapters kept resident by heat (besides pinned ones)")
+        options.add(
+            "hot_set_size", int, None,
+            "adapters kept resident by heat, besides pinned ones (default: slots - 1)",
+        )  # fmt: skip
         options.add("pin", _id_list, (), "adapter ids kept resident once loaded, never evicted")
         options.add(
             "max_loras_per_batch",
@@ -60,7 +64,8 @@ class HotSetPolicy:
     @hookimpl
     def lora_guard_configure(self, config: dict[str, Any]) -> None:
         slots = int(config.get("max_loras", 8))
-        self.hot_set_size = int(config.get("hot_set_size", min(4, slots)))
+        size = config.get("hot_set_size")
+        self.hot_set_size = max(slots - 1, 0) if size is None else int(size)
         self.pinned = _id_list(config.get("pin"))
         self.max_loras_per_batch = int(config.get("max_loras_per_batch", 0))
         self.max_wait_steps = int(config.get("max_wait_steps", 16))

@@ -1,0 +1,212 @@
+"""The metrics plugin, fed by the real engine on the tiny model with real PEFT adapters."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from lora_guard import LLM, SamplingParams
+from lora_guard.adapter_maker import make_adapters
+from lora_guard.metrics import MetricsPlugin, SlidingRatio, metrics_of
+from lora_guard.plugins import Reject, hookimpl
+from lora_guard.plugins.state import EngineState, RequestView
+
+PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True)
+LONG_PROMPT = (
+    "System: you are a helpful assistant that answers briefly. The capital of France is Paris, "
+    "the capital of Italy is Rome and the capital of Spain is Madrid. User: and Portugal?"
+)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("metrics-adapters")
+    folders = make_adapters(tiny_model, out, n=3, ranks=(4,), strength=0.5, prefix="m")
+    return {f.name: f for f in folders}
+
+
+def _llm(
+    tiny_model: Path, adapters: dict[str, Path], settings: dict[str, object] | None = None
+) -> LLM:
+    return LLM(
+        tiny_model,
+        adapters=dict(adapters),
+        kv_cache_memory="4MiB",
+        max_loras=2,
+        policies=(),
+        settings=settings,
+    )
+
+
+def _metrics(llm: LLM) -> MetricsPlugin:
+    plugin = metrics_of(llm.engine.hooks.pm)
+    assert plugin is not None
+    return plugin
+
+
+def _samples(llm: LLM) -> list[Sample]:
+    text = _metrics(llm).render().decode()
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def _value(samples: list[Sample], name: str, **labels: str) -> float:
+    found = [s.value for s in samples if s.name == name and s.labels == labels]
+    assert len(found) == 1, f"{name}{labels}: {len(found)} samples"
+    return found[0]
+
+
+def _labelsets(samples: list[Sample], name: str) -> list[dict[str, str]]:
+    return [s.labels for s in samples if s.name == name]
+
+
+def _generate(llm: LLM, adapter_ids: list[str | None], prompt: str = "Hello there") -> None:
+    outs = llm.generate([prompt] * len(adapter_ids), PARAMS, adapter_ids)
+    assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs]
+
+
+def test_a_workload_shows_in_the_metrics(tiny_model: Path, adapters: dict[str, Path]) -> None:
+    a, b, c = sorted(adapters)
+    llm = _llm(tiny_model, adapters, settings={"pin": [a]})
+    batches: list[list[str | None]] = [[None, a, b, a], [c, a, None], [b, c, c]]
+    for batch in batches:
+        _generate(llm, batch)
+    s = _samples(llm)
+    lookups = {
+        r: _value(s, "lora_guard_adapter_lookups_total", result=r) for r in ("hot", "warm", "cold")
+    }
+    requests = sum(1 for batch in batches for x in batch if x is not None)
+    assert sum(lookups.values()) == requests
+    assert lookups["cold"] >= 3 and lookups["hot"] >= 1
+    stats = llm.engine.adapters.stats
+    assert _value(s, "lora_guard_adapter_swap_ms_count") == stats.loads
+    assert _value(s, "lora_guard_adapter_swap_ms_sum") == pytest.approx(sum(stats.swap_ms))
+    assert _value(s, "lora_guard_cold_loads_total", outcome="loaded") == lookups["cold"] == 3
+    assert _value(s, "lora_guard_cold_loads_total", outcome="failed") == 0
+    assert _value(s, "lora_guard_cold_load_fail_ratio") == 0
+
+    rate = _value(s, "lora_guard_hot_adapter_hit_rate")
+    assert 0 < rate < 1
+    assert rate == pytest.approx(lookups["hot"] / sum(lookups.values()))
+
+    in_slots = {slot.adapter_id for slot in llm.engine.adapters.slots if slot.adapter_id}
+    in_host = set(llm.engine.adapters.host.entries) - in_slots
+    resident = _labelsets(s, "lora_guard_adapter_resident")
+    assert {r["adapter_id"] for r in resident if r["tier"] == "device"} == in_slots
+    assert {r["adapter_id"] for r in resident if r["tier"] == "host"} == in_host
+    assert len(resident) == len(in_slots) + len(in_host)
+    assert all(r["pinned"] == ("true" if r["adapter_id"] == a else "false") for r in resident)
+
+    assert _value(s, "vllm:num_requests_running") == 0
+    assert _value(s, "vllm:num_requests_waiting") == 0
+    assert _value(s, "vllm:kv_cache_usage_perc") == _value(s, "lora_guard_memory_watermark")
+    info = _labelsets(s, "vllm:lora_requests_info")
+    assert len(info) == 1 and info[0]["max_lora"] == "2"
+    assert set(info[0]) == {"running_lora_adapters", "waiting_lora_adapters", "max_lora"}
+    llm.engine.check_no_leaks()
+
+
+def test_a_repeated_prompt_counts_prefix_cache_hits(
+    tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    llm = _llm(tiny_model, adapters)
+    _generate(llm, [None], LONG_PROMPT)
+    before = _value(_samples(llm), "lora_guard_prefix_cache_hit_tokens_total")
+    _generate(llm, [None], LONG_PROMPT)
+    after = _value(_samples(llm), "lora_guard_prefix_cache_hit_tokens_total")
+    assert after > before
+    assert after == llm.engine.blocks.stats.hit_tokens
+    assert _value(_samples(llm), "lora_guard_kv_namespace_conflict_total") == 0
+
+
+def test_a_corrupt_adapter_counts_as_a_failed_cold_load(
+    tiny_model: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    good = sorted(adapters)[0]
+    bad = tmp_path / "bad"
+    shutil.copytree(adapters[good], bad)
+    (bad / "adapter_model.safetensors").write_bytes(b"not a safetensors file" * 10)
+    llm = _llm(tiny_model, {good: adapters[good], "bad": bad})
+    _generate(llm, [good])
+    out = llm.generate("Hello", PARAMS, "bad")[0]
+    assert out.finish_reason == "error"
+    s = _samples(llm)
+    assert _value(s, "lora_guard_cold_loads_total", outcome="failed") == 1
+    assert _value(s, "lora_guard_cold_loads_total", outcome="loaded") == 1
+    assert _value(s, "lora_guard_cold_load_fail_ratio") == pytest.approx(0.5)
+    llm.engine.check_no_leaks()
+
+
+class _RejectCold:
+    """A real policy plugin: cold adapters are busy, retry in a second."""
+
+    @hookimpl
+    def lora_guard_adapter_load(
+        self, request: RequestView, tier: str, state: EngineState
+    ) -> Reject | None:
+        return Reject("cold loads are paused", 1.0) if tier == "cold" else None
+
+
+def test_a_rejected_cold_load_is_counted(tiny_model: Path, adapters: dict[str, Path]) -> None:
+    llm = _llm(tiny_model, adapters)
+    llm.engine.hooks.pm.register(_RejectCold(), name="reject-cold")
+    out = llm.generate("Hello", PARAMS, sorted(adapters)[0])[0]
+    assert out.retry_after == 1.0
+    s = _samples(llm)
+    assert _value(s, "lora_guard_cold_loads_total", outcome="rejected") == 1
+    assert _value(s, "lora_guard_cold_load_fail_ratio") == 1
+
+
+def test_two_engines_have_their_own_registries(tiny_model: Path, adapters: dict[str, Path]) -> None:
+    one, two = _llm(tiny_model, adapters), _llm(tiny_model, adapters)
+    assert _metrics(one) is not _metrics(two)
+    assert _metrics(one).registry is not _metrics(two).registry
+    _generate(one, [sorted(adapters)[0]])
+    assert _value(_samples(one), "lora_guard_adapter_lookups_total", result="cold") == 1
+    assert _value(_samples(two), "lora_guard_adapter_lookups_total", result="cold") == 0
+    assert _metrics(one).content_type.startswith("text/plain")
+
+
+def test_the_window_option_is_declared_and_applied(
+    tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    llm = _llm(tiny_model, adapters, settings={"metrics_window_s": 5.0})
+    assert "metrics_window_s" in llm.engine.hooks.options.options
+    assert _metrics(llm).hot_window.window_s == 5.0
+    assert _metrics(llm).cold_window.window_s == 5.0
+
+
+def test_the_sliding_ratio_forgets_old_events() -> None:
+    now = [0.0]
+    ratio = SlidingRatio(10.0, clock=lambda: now[0])
+    assert ratio.value() == 0.0
+    ratio.add(True)
+    now[0] = 5.0
+    ratio.add(False)
+    assert ratio.value() == 0.5
+    now[0] = 12.0
+    assert ratio.value() == 0.0  # the True event left the window
+    now[0] = 16.0
+    assert ratio.value() == 0.0  # nothing left: 0, never NaN
+
+
+class _KeepOrder:
+    """A real batch-form plugin that keeps the engine's order (it only reads the state)."""
+
+    @hookimpl
+    def lora_guard_batch_form(self, state: EngineState) -> list[str] | None:
+        return None
+
+
+def test_gauges_are_fresh_after_a_batch_with_a_deciding_plugin(
+    tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    llm = _llm(tiny_model, adapters)
+    llm.engine.hooks.pm.register(_KeepOrder(), name="keep-order")
+    _generate(llm, [None, None])
+    s = _samples(llm)
+    assert _value(s, "vllm:num_requests_running") == 0
+    assert _value(s, "lora_guard_memory_watermark") == 0
