@@ -3,12 +3,12 @@ hit them.
 
 Heat is the number of requests per (tenant, adapter) over a sliding window. The hot set is the
 pinned adapters (``pin``) plus the ``hot_set_size`` hottest (default: all slots but one, which
-serves the cold tail); a hot adapter is never evicted for a
-colder one, and a pinned one never at all. A warm adapter takes a free slot, else the idle slot
-holding the coldest adapter outside the hot set; a tenant already holding its fair share of the
-slots may evict only its own. Batch form offers requests whose adapter is resident first, caps the
-distinct adapters per step (``max_loras_per_batch``), and puts any request that has waited
-``max_wait_steps`` ahead of all others, so none starves.
+serves the cold tail). A warm adapter takes a free slot, else the idle slot holding the coldest
+adapter outside the hot set; a hot adapter is displaced only by another hot one, a pinned one
+never. A tenant already holding its fair share of the slots may evict only its own. A request
+that has waited ``max_wait_steps`` may displace any adapter that is not pinned, so none waits for
+a slot forever. Batch form offers requests whose adapter is resident first, caps the distinct
+adapters per step (``max_loras_per_batch``), and puts aged requests ahead of all others.
 """
 
 from __future__ import annotations
@@ -70,8 +70,10 @@ class HotSetPolicy:
         self.max_loras_per_batch = int(config.get("max_loras_per_batch", 0))
         self.max_wait_steps = int(config.get("max_wait_steps", 16))
         self.window_s = float(config.get("heat_window_s", 60.0))
-        if len(self.pinned) > slots:
-            raise ValueError(f"{len(self.pinned)} pinned adapters do not fit in {slots} slots")
+        if self.pinned and len(self.pinned) >= slots:
+            raise ValueError(
+                f"{len(self.pinned)} pinned adapters in {slots} slots leave no slot for the others"
+            )
         if self.hot_set_size < 0 or self.max_loras_per_batch < 0 or self.max_wait_steps < 1:
             raise ValueError("hot_set_size and max_loras_per_batch must be >= 0, "
                              "max_wait_steps >= 1")  # fmt: skip
@@ -114,19 +116,19 @@ class HotSetPolicy:
         if state.free_slots:
             return Load(state.free_slots[0])
         hot = self.hot_set(state.now)
+        aged = request.waited_steps >= self.max_wait_steps
         idle = [v for v in state.slots if v.refs == 0 and v.adapter_id not in self.pinned]
         candidates = [v for v in idle if v.adapter_id not in hot]
-        if not candidates and request.adapter_id in hot:
-            candidates = idle  # a hot adapter may displace a colder hot one
-        tenants = {t for (t, _), n in self.tenant_heat.items() if n > 0}
-        fair_share = math.ceil(len(state.slots) / max(len(tenants), 1))
-        held = sum(
-            1 for v in state.slots if v.adapter_id and self.owner(v.adapter_id) == request.tenant_id
-        )
-        if held >= fair_share:
-            candidates = [
-                v for v in candidates if self.owner(v.adapter_id or "") in (request.tenant_id, None)
-            ]
+        if not candidates and (request.adapter_id in hot or aged):
+            candidates = idle  # a hot adapter, or one waited on too long, may displace a hot one
+        if not aged:
+            tenants = {t for (t, _), n in self.tenant_heat.items() if n > 0}
+            fair_share = math.ceil(len(state.slots) / max(len(tenants), 1))
+            owners = {v.slot: self.owner(v.adapter_id) for v in state.slots if v.adapter_id}
+            if sum(1 for o in owners.values() if o == request.tenant_id) >= fair_share:
+                candidates = [
+                    v for v in candidates if owners.get(v.slot) in (request.tenant_id, None)
+                ]
         if not candidates:
             return Defer("no slot may be evicted for this adapter now")
         victim = min(candidates, key=lambda v: (self.heat[v.adapter_id or ""], v.last_used))

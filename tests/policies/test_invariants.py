@@ -1,0 +1,176 @@
+"""Property tests: the guard policies' promises over random request streams and settings.
+
+Each example drives the real engine (tiny model, real adapters) with a random stream and random
+slot, budget and watermark settings, records what the policies decided through observer and
+wrapper hooks, and checks the invariants.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lora_guard import LLM, SamplingParams
+from lora_guard.adapter_maker import make_adapters
+from lora_guard.engine.adapter_manager import Lookup
+from lora_guard.engine.llm_engine import RequestOutput
+from lora_guard.plugins import Load, hookimpl
+from lora_guard.plugins.decisions import AdapterDecision
+from lora_guard.plugins.state import EngineState, RequestView
+
+NUM_ADAPTERS = 6
+MAX_STEPS = 3000
+
+
+@dataclass
+class Recorder:
+    """Watches the policies' decisions without changing them."""
+
+    evicted: list[str] = field(default_factory=list)
+    eviction_watermarks: list[float] = field(default_factory=list)
+    max_resident_wait: int = 0
+
+    @hookimpl(wrapper=True)
+    def lora_guard_adapter_load(
+        self, request: RequestView, tier: str, state: EngineState
+    ) -> Generator[None, AdapterDecision | None, AdapterDecision | None]:
+        decision = yield
+        evicts = isinstance(decision, Load) and decision.slot is not None
+        if evicts and state.slots[decision.slot].adapter_id is not None:  # type: ignore[union-attr]
+            self.eviction_watermarks.append(state.memory_watermark)
+        return decision
+
+    @hookimpl
+    def lora_guard_adapter_evicted(self, adapter_id: str, slot: int) -> None:
+        self.evicted.append(adapter_id)
+
+    @hookimpl(wrapper=True)
+    def lora_guard_batch_form(
+        self, waiting: list[RequestView], running: list[RequestView], state: EngineState
+    ) -> Generator[None, list[str] | None, list[str] | None]:
+        resident = {v.adapter_id for v in state.slots if v.adapter_id is not None}
+        for r in waiting:
+            if r.adapter_id is None or r.adapter_id in resident:
+                self.max_resident_wait = max(self.max_resident_wait, r.waited_steps)
+        return (yield)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("invariant-adapters")
+    folders = make_adapters(tiny_model, out, n=NUM_ADAPTERS, ranks=(2, 4, 8), prefix="p")
+    return {f.name: f for f in folders}
+
+
+@pytest.fixture(scope="module")
+def solo(tiny_model: Path, adapters: dict[str, Path]) -> Any:
+    """Greedy tokens of one request run alone, without prefix caching (memoised)."""
+    llm = LLM(tiny_model, adapters=adapters, kv_cache_memory="4MiB", policies="lru",
+              enable_prefix_caching=False)  # fmt: skip
+    memo: dict[tuple[tuple[int, ...], str | None, int], list[int]] = {}
+
+    def run(prompt: list[int], adapter: str | None, n: int) -> list[int]:
+        key = (tuple(prompt), adapter, n)
+        if key not in memo:
+            params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+            memo[key] = llm.generate(prompt, params, adapter)[0].token_ids
+        return memo[key]
+
+    return run
+
+
+request = st.tuples(
+    st.integers(0, 12),  # arrival step
+    st.one_of(st.none(), st.integers(0, NUM_ADAPTERS - 1)),  # adapter
+    st.sampled_from(["acme", "globex"]),  # tenant
+    st.integers(0, 3),  # which shared prefix
+    st.integers(1, 4),  # max_new_tokens
+)
+knobs = st.fixed_dictionaries(
+    {
+        "max_loras": st.integers(1, 4),
+        "cold_loads_per_minute": st.integers(1, 8),
+        "low_watermark": st.sampled_from([0.05, 0.3, 0.82]),
+        "pin_first": st.booleans(),
+        "hot_set_size": st.integers(0, 3),
+        "max_loras_per_batch": st.integers(0, 3),
+        "kv_blocks": st.sampled_from([24, 64, 256]),
+    }
+)
+PREFIXES = [[5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 20, 21], [30, 31, 32, 33, 34], [40]]
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(stream=st.lists(request, min_size=1, max_size=24), knob=knobs)
+def test_guard_policies_keep_their_promises(
+    tiny_model: Path, adapters: dict[str, Path], solo: Any, stream: list[Any], knob: dict[str, Any]
+) -> None:
+    names = sorted(adapters)
+    pinned = [names[0]] if knob["pin_first"] and knob["max_loras"] > 1 else []
+    block_bytes = 2 * 2 * 4 * 2 * 16 * 4  # layers * k/v * block tokens * kv heads * head dim * fp32
+    llm = LLM(
+        tiny_model, adapters=adapters, max_loras=knob["max_loras"],
+        max_cpu_loras=knob["max_loras"], block_size=4,
+        kv_cache_memory=knob["kv_blocks"] * block_bytes,
+        settings={
+            "cold_loads_per_minute": knob["cold_loads_per_minute"],
+            "low_watermark": knob["low_watermark"],
+            "high_watermark": 0.95,
+            "pin": pinned,
+            "hot_set_size": knob["hot_set_size"],
+            "max_loras_per_batch": knob["max_loras_per_batch"],
+        },
+    )  # fmt: skip
+    recorder = Recorder()
+    llm.engine.hooks.pm.register(recorder)
+    engine = llm.engine
+
+    requests = {}
+    for i, (arrival, adapter, tenant, prefix, n) in enumerate(sorted(stream, key=lambda r: r[0])):
+        prompt = [*PREFIXES[prefix], 50 + i % 7]
+        requests[f"r{i}"] = (
+            arrival,
+            prompt,
+            None if adapter is None else names[adapter],
+            tenant,
+            n,
+        )
+    finished: dict[str, RequestOutput] = {}
+    for step in range(MAX_STEPS):
+        for rid, (arrival, prompt, adapter, tenant, n) in requests.items():
+            if arrival == step:
+                params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+                engine.add_request(rid, prompt, params, adapter, tenant)
+        outputs = engine.step()
+        for out in outputs:
+            if out.finished:
+                finished[out.request_id] = out
+        if len(finished) == len(requests):
+            break
+        if not outputs and engine.adapters.loader.pending:
+            time.sleep(0.002)  # an adapter is being read from disk
+    assert len(finished) == len(requests), "a request was lost or never finished"
+
+    for rid, out in finished.items():
+        _, prompt, adapter, _, n = requests[rid]
+        if out.error is not None:
+            # Rejected by the cold-load budget: a retryable answer, never a silent loss.
+            assert out.retry_after is not None and out.retry_after > 0, out.error
+            assert adapter is not None
+        else:
+            assert out.token_ids == solo(prompt, adapter, n), f"{rid} ({adapter}) drifted"
+
+    assert not set(recorder.evicted) & set(pinned), "a pinned adapter was evicted"
+    assert engine.adapters.stats.lookups[Lookup.COLD] <= knob["cold_loads_per_minute"]
+    assert all(w < knob["low_watermark"] for w in recorder.eviction_watermarks)
+    assert engine.blocks.stats.conflicts == 0
+    assert recorder.max_resident_wait <= 16 + 2, "a request with a resident adapter starved"
+    engine.check_no_leaks()
