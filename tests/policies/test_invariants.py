@@ -42,8 +42,8 @@ class Recorder:
         self, request: RequestView, tier: str, state: EngineState
     ) -> Generator[None, AdapterDecision | None, AdapterDecision | None]:
         decision = yield
-        evicts = isinstance(decision, Load) and decision.slot is not None
-        if evicts and state.slots[decision.slot].adapter_id is not None:  # type: ignore[union-attr]
+        slot = decision.slot if isinstance(decision, Load) else None
+        if slot is not None and state.slots[slot].adapter_id is not None:
             self.eviction_watermarks.append(state.memory_watermark)
         return decision
 
