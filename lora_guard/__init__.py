@@ -6,14 +6,19 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__", "hookimpl"]
 
 if TYPE_CHECKING:
     from lora_guard.engine import LLM, RequestOutput, SamplingParams
+    from lora_guard.plugins import hookimpl
 
 
 def __getattr__(name: str) -> Any:
     # The engine imports torch; keep `import lora_guard` (and the CLI's start) light.
+    if name == "hookimpl":
+        from lora_guard.plugins import hookimpl
+
+        return hookimpl
     if name in ("LLM", "RequestOutput", "SamplingParams"):
         from lora_guard import engine
 

@@ -139,6 +139,8 @@ def lora_guard_cache_reuse(
 def lora_guard_adapter_loaded(adapter_id: str, slot: int, tier: str, swap_ms: float) -> None:
     """An adapter is ready in a device slot.
 
+    :param adapter_id: the adapter.
+    :param slot: the device slot it is in.
     :param tier: ``"warm"`` (from host memory) or ``"cold"`` (read from disk).
     :param swap_ms: from the start of the load to the slot being ready.
 
@@ -150,13 +152,21 @@ def lora_guard_adapter_loaded(adapter_id: str, slot: int, tier: str, swap_ms: fl
 def lora_guard_adapter_evicted(adapter_id: str, slot: int) -> None:
     """An adapter left a device slot to make room for another.
 
+    :param adapter_id: the adapter that left.
+    :param slot: the slot it left.
+
     .. versionadded:: 0.1
     """
 
 
 @hookspec
 def lora_guard_adapter_lookup(request: RequestView, result: str) -> None:
-    """A request looked for its adapter: ``result`` is ``"hot"``, ``"warm"`` or ``"cold"``.
+    """A request looked for its adapter, once per request.
+
+    :param request: the request.
+    :param result: ``"hot"`` (in a device slot), ``"warm"`` (in host memory) or ``"cold"`` (on
+        disk). A request whose adapter is being read for another request is looked up once the
+        read is done.
 
     .. versionadded:: 0.1
     """
@@ -165,6 +175,9 @@ def lora_guard_adapter_lookup(request: RequestView, result: str) -> None:
 @hookspec
 def lora_guard_adapter_load_failed(adapter_id: str, error: str) -> None:
     """Reading an adapter from disk failed (corrupt, missing, refused); its waiting requests fail.
+
+    :param adapter_id: the adapter.
+    :param error: why, naming the adapter.
 
     .. versionadded:: 0.1
     """
@@ -178,8 +191,10 @@ def lora_guard_request_finished(
     retry_after: float | None,
     num_cached_tokens: int,
 ) -> None:
-    """A request ended: ``length``, ``eos_token``, ``stop_sequence``, ``error`` or ``abort``.
+    """A request ended.
 
+    :param request: the request.
+    :param finish_reason: ``length``, ``eos_token``, ``stop_sequence``, ``error`` or ``abort``.
     :param error: why it failed, for ``error``.
     :param retry_after: set when a policy rejected it with ``BusyRetry``.
     :param num_cached_tokens: prompt tokens served from the prefix cache.
@@ -194,7 +209,9 @@ def lora_guard_step_finished(
 ) -> None:
     """A step ran.
 
+    :param state: the engine after the step.
     :param num_tokens: tokens computed in the step.
+    :param duration_s: wall time of the step, seconds.
     :param kv_conflicts: prefix-cache conflicts counted so far (cumulative).
     :param cached_tokens: prompt tokens served from the prefix cache so far (cumulative).
 

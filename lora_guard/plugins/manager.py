@@ -18,7 +18,7 @@ from typing import Any
 import pluggy
 
 from lora_guard.plugins import hookspecs
-from lora_guard.plugins.decisions import AdapterDecision, BusyRetry
+from lora_guard.plugins.decisions import AdapterDecision, BusyRetry, Reject
 from lora_guard.plugins.options import OptionRegistry
 from lora_guard.plugins.state import EngineState, RequestView
 
@@ -102,6 +102,8 @@ def make_plugin_manager(
 
 
 def _register(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:
+    if pm.is_registered(plugin):
+        return  # already loaded, e.g. by entry point and named again with --plugin
     try:
         pm.register(plugin, name=name)
     except pluggy.PluginValidationError as exc:
@@ -136,10 +138,14 @@ class Hooks:
         self.pm = pm
         self.faults = 0
         self.options = OptionRegistry()
-        pm.hook.lora_guard_add_options.call_historic(kwargs={"options": self.options})
+        try:
+            pm.hook.lora_guard_add_options.call_historic(kwargs={"options": self.options})
+        except Exception as exc:
+            raise PluginError(f"a plugin's options could not be added: {exc}") from exc
 
     def names(self) -> list[str]:
-        return sorted(name for name, _ in self.pm.list_name_plugin())
+        """Names of the registered plugins (blocked ones are not listed)."""
+        return sorted(name for name, plugin in self.pm.list_name_plugin() if plugin is not None)
 
     def has(self, hook_name: str) -> bool:
         return bool(getattr(self.pm.hook, hook_name).get_hookimpls())
@@ -154,9 +160,13 @@ class Hooks:
     def adapter_load(
         self, *, request: RequestView, tier: str, state: EngineState
     ) -> AdapterDecision | None:
-        result: AdapterDecision | None = self._decide(
-            self.pm.hook.lora_guard_adapter_load, request=request, tier=tier, state=state
-        )
+        try:
+            result: AdapterDecision | None = self._decide(
+                self.pm.hook.lora_guard_adapter_load, request=request, tier=tier, state=state,
+                busy_ok=True,
+            )  # fmt: skip
+        except BusyRetry as busy:
+            return Reject(str(busy), busy.retry_after)
         return result
 
     def batch_form(
@@ -198,11 +208,16 @@ class Hooks:
         if hook.get_hookimpls():
             self._decide(hook, **kwargs)
 
-    def _decide(self, hook: Callable[..., Any], **kwargs: Any) -> Any:
+    def _decide(self, hook: Callable[..., Any], busy_ok: bool = False, **kwargs: Any) -> Any:
         try:
             return hook(**kwargs)
         except BusyRetry:
-            raise
+            if busy_ok:
+                raise
+            self.faults += 1
+            log.error("plugin raised BusyRetry from %s, where it means nothing (counted)",
+                      getattr(hook, "name", hook))  # fmt: skip
+            return None
         except Exception:
             self.faults += 1
             log.exception("plugin fault in %s (counted; the engine default applies)",
