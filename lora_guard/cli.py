@@ -59,6 +59,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.1,
         help="norm of each update relative to its base weight (default 0.1)",
     )
+
+    plugins = commands.add_parser(
+        "plugins",
+        help="list the plugins that would load, the hooks they implement and their settings",
+        description="Build the plugin manager as the engine does (policies, always-on built-ins, "
+        "entry points of group lora_guard, --plugin) and print what loaded.",
+    )
+    plugins.add_argument("--policies", help="hot-set,cold-budget,kv-namespace (default) or lru")
+    plugins.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE[:OBJECT]",
+        help="load this plugin too (repeatable)",
+    )
+    plugins.add_argument("--disable-plugin", action="append", default=[], metavar="NAME",
+                         help="do not load this plugin (repeatable)")  # fmt: skip
     return parser
 
 
@@ -69,6 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _prepare_demo(args)
         if args.command == "make-adapters":
             return _make_adapters(args)
+        if args.command == "plugins":
+            return _plugins(args)
     except KeyboardInterrupt:
         return 130
     raise AssertionError(f"unhandled command {args.command}")
@@ -107,6 +126,29 @@ def _make_adapters(args: argparse.Namespace) -> int:
         print(f"lora-guard make-adapters: error: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {len(folders)} adapters to {args.out}")
+    return 0
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    from lora_guard.plugins import Hooks, PluginError, make_plugin_manager
+
+    try:
+        hooks = Hooks(make_plugin_manager(args.policies, args.plugin, args.disable_plugin))
+    except PluginError as exc:
+        print(f"lora-guard plugins: error: {exc}", file=sys.stderr)
+        return 1
+    for name in hooks.names():
+        plugin = hooks.pm.get_plugin(name)
+        implemented = sorted(
+            impl.name for impl in hooks.pm.get_hookcallers(plugin) or () if impl.get_hookimpls()
+        )
+        print(f"{name}: {', '.join(implemented) or '(no hooks)'}")
+    if hooks.options.options:
+        print("settings:")
+        for option in hooks.options.options.values():
+            print(
+                f"  --{option.name.replace('_', '-')} (default {option.default!r}): {option.help}"
+            )
     return 0
 
 

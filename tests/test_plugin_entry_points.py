@@ -128,3 +128,19 @@ def test_an_engine_picks_up_the_installed_plugin(site: Path, tiny_model: Path) -
     assert "device slots" in report["options"]["tenant_slot_quota"][1]
     assert report["slot_quota"] == 2, "LLM(settings=...) did not reach the plugin"
     assert report["output"], "the engine with the plugin produced nothing"
+
+
+def test_the_command_line_lists_it_and_disable_plugin_turns_it_off(site: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    env.pop(DISABLE_AUTOLOAD_ENV, None)
+    command = [sys.executable, "-m", "lora_guard.cli", "plugins"]
+    listed = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert "tenant-quota: " in listed.stdout
+    assert "--tenant-slot-quota" in listed.stdout
+
+    off = subprocess.run([*command, "--disable-plugin", "tenant-quota"], capture_output=True,
+                         text=True, timeout=120, env=env)  # fmt: skip
+    assert off.returncode == 0, off.stderr
+    assert "tenant-quota" not in off.stdout
+    assert "hot-set: " in off.stdout and "metrics: " in off.stdout
