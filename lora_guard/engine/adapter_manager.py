@@ -4,12 +4,17 @@ Three tiers: device slots (hot), host memory (warm), the adapter's folder on dis
 adapter is read on the loader thread; the request waits for it without holding up others.
 ``choose_slot`` is where adapter-load decisions are made (default: a free slot, else the least
 recently used slot that no running request holds).
+
+In merged mode (the ``on-demand`` and ``static`` baselines) there are no slots: one adapter at a
+time is merged into the base weights, and a switch waits until no running request uses the
+weights merged now.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,10 +37,11 @@ class Lookup(str, enum.Enum):
 
 @dataclass(slots=True)
 class Binding:
-    """A request's adapter is in ``slot``; ``content_hash`` names the weights it holds."""
+    """A request's adapter is in ``slot`` (None: merged into the base weights, or the base model);
+    ``content_hash`` names the adapter's weights (None for the base model)."""
 
-    slot: int
-    content_hash: str
+    slot: int | None
+    content_hash: str | None
 
 
 @dataclass(slots=True)
@@ -63,8 +69,12 @@ class AdapterManager:
         loader: AdapterLoader,
         registry: dict[str, Path] | None = None,
         events: Hooks | None = None,
+        merge: Callable[[LoRAAdapter | None], None] | None = None,
     ) -> None:
         self.pool, self.host, self.loader, self.events = pool, host, loader, events
+        self.merge = merge
+        self.merged: LoRAAdapter | None = None
+        self.merged_refs = 0
         self.registry: dict[str, Path] = dict(registry or {})
         self.slots = [SlotState() for _ in range(pool.num_slots)]
         self.stats = AdapterStats()
@@ -99,7 +109,9 @@ class AdapterManager:
     # binding
     def tier(self, adapter_id: str) -> Lookup:
         """Where ``adapter_id`` is now. Raises :class:`AdapterError` for an unknown adapter."""
-        if self.slot_of(adapter_id) is not None:
+        if self.slot_of(adapter_id) is not None or (
+            self.merged is not None and self.merged.adapter_id == adapter_id
+        ):
             return Lookup.HOT
         if adapter_id in self.loader.pending:
             return Lookup.LOADING
@@ -109,10 +121,13 @@ class AdapterManager:
             raise AdapterError(f"adapter {adapter_id!r} is not known")
         return Lookup.COLD
 
-    def acquire(self, adapter_id: str, slot: int | None = None) -> Binding | None:
+    def acquire(self, adapter_id: str | None, slot: int | None = None) -> Binding | None:
         """Bind a request to ``adapter_id``; None means wait (a load is under way or no slot is
         free). A warm adapter goes into ``slot``, or the slot ``choose_slot`` picks. Raises
         :class:`AdapterError` when the adapter is unknown."""
+        if self.merged_mode:
+            return self._acquire_merged(adapter_id)
+        assert adapter_id is not None, "base-model requests hold no slot"
         now = time.perf_counter()
         resident = self.slot_of(adapter_id)
         if resident is not None:
@@ -147,7 +162,57 @@ class AdapterManager:
             )  # fmt: skip
         return self._bind(slot, now)
 
-    def release(self, slot: int) -> None:
+    @property
+    def merged_mode(self) -> bool:
+        return self.merge is not None
+
+    def _acquire_merged(self, adapter_id: str | None) -> Binding | None:
+        now = time.perf_counter()
+        current = self.merged.adapter_id if self.merged is not None else None
+        if current == adapter_id:
+            if adapter_id is not None:
+                self.stats.lookups[Lookup.HOT] += 1
+            self.merged_refs += 1
+            return Binding(None, self.merged.content_hash if self.merged else None)
+        adapter = None
+        if adapter_id is not None:
+            adapter = self.host.get(adapter_id)
+            if adapter is None:
+                if self.tier(adapter_id) is Lookup.COLD:
+                    self.stats.lookups[Lookup.COLD] += 1
+                    self._load_started[adapter_id] = now
+                    self.loader.submit(adapter_id, self.registry[adapter_id])
+                return None
+        if self.merged_refs:
+            return None  # running requests still use the weights merged now
+        assert self.merge is not None
+        started = self._load_started.pop(adapter_id or "", None)
+        tier = Lookup.COLD if started is not None else Lookup.WARM
+        if adapter_id is not None and started is None:
+            self.stats.lookups[Lookup.WARM] += 1
+        if current is not None:
+            self.stats.evictions += 1
+            if self.events is not None:
+                self.events.notify("lora_guard_adapter_evicted", adapter_id=current, slot=-1)
+        self.merge(adapter)
+        self.merged = adapter
+        self.merged_refs = 1
+        if adapter is not None:
+            swap_ms = (time.perf_counter() - (started or now)) * 1000
+            self.stats.loads += 1
+            self.stats.swap_ms.append(swap_ms)
+            if self.events is not None:
+                self.events.notify(
+                    "lora_guard_adapter_loaded",
+                    adapter_id=adapter.adapter_id, slot=-1, tier=tier.value, swap_ms=swap_ms,
+                )  # fmt: skip
+        return Binding(None, adapter.content_hash if adapter else None)
+
+    def release(self, slot: int | None) -> None:
+        if slot is None:
+            self.merged_refs -= 1
+            assert self.merged_refs >= 0, "merged weights released twice"
+            return
         state = self.slots[slot]
         state.refs -= 1
         assert state.refs >= 0, f"slot {slot} released twice"
@@ -196,4 +261,4 @@ class AdapterManager:
         self.slots[slot] = SlotState()
 
     def num_held_slots(self) -> int:
-        return sum(state.refs for state in self.slots)
+        return sum(state.refs for state in self.slots) + self.merged_refs

@@ -85,8 +85,14 @@ class EngineConfig:
     max_model_len: int | None = None
     dtype: str | torch.dtype | None = None
     device: str | torch.device | None = None
+    lora_mode: str = "slots"
+    static_adapter: str | None = None
 
     def __post_init__(self) -> None:
+        if self.lora_mode not in ("slots", "merged"):
+            raise ConfigError(f"lora_mode must be slots or merged, not {self.lora_mode!r}")
+        if self.static_adapter is not None:
+            self.lora_mode = "merged"
         if self.max_loras < 1:
             raise ConfigError("max_loras must be at least 1")
         if self.max_cpu_loras < self.max_loras:

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from lora_guard.engine.config import EngineConfig
+from lora_guard.engine.config import ConfigError, EngineConfig
 from lora_guard.engine.llm_engine import LLMEngine, RequestOutput
 from lora_guard.engine.sampling import SamplingParams
-from lora_guard.plugins.manager import Hooks, make_plugin_manager
+from lora_guard.plugins.manager import Hooks, make_plugin_manager, parse_policies
 
 _IDLE_WAIT_S = 0.001
 
@@ -34,7 +34,9 @@ class LLM:
     :param dtype: ``float32``, ``bfloat16`` or ``float16`` (default: float32 on CPU).
     :param device: ``cpu`` or ``cuda`` (default: cuda when available).
     :param policies: ``"hot-set,cold-budget,kv-namespace"`` (the default), any subset of them, or
-        one baseline: ``"lru"``, ``"on-demand"``, ``"static"``.
+        one baseline: ``"lru"``, ``"on-demand"`` (one adapter at a time, merged into the base
+        weights) or ``"static"`` (``settings["static_adapter"]`` merged for good; requests for
+        anything else are refused).
     :param plugins: more plugins, ``"module[:object]"``.
     :param disabled_plugins: plugin names not to load (built-ins and entry points alike).
     :param settings: plugin settings by name (``{"cold_loads_per_minute": 6}``); see
@@ -64,6 +66,12 @@ class LLM:
         disabled_plugins: SequenceOf[str] = (),
         settings: dict[str, Any] | None = None,
     ) -> None:
+        chosen = parse_policies(policies)
+        static_adapter = (settings or {}).get("static_adapter")
+        if "static" in chosen and not static_adapter:
+            raise ConfigError(
+                'policy static needs the adapter to serve: settings={"static_adapter": ID}'
+            )
         config = EngineConfig(
             model=str(model),
             model_id=model_id,
@@ -78,8 +86,10 @@ class LLM:
             max_model_len=max_model_len,
             dtype=dtype,
             device=device,
+            lora_mode="merged" if {"static", "on-demand"} & set(chosen) else "slots",
+            static_adapter=static_adapter if "static" in chosen else None,
         )
-        hooks = Hooks(make_plugin_manager(policies, plugins, disabled_plugins))
+        hooks = Hooks(make_plugin_manager(chosen, plugins, disabled_plugins))
         hooks.configure({**asdict(config), **(settings or {})})
         self.engine = LLMEngine(config, adapters=adapters, adapter_dir=adapter_dir, hooks=hooks)
         self._ids = itertools.count()

@@ -12,7 +12,7 @@ import torch
 from lora_guard.engine.adapter_manager import AdapterManager
 from lora_guard.engine.config import ConfigError, EngineConfig
 from lora_guard.engine.kv_cache import Block, BlockManager, KVCache
-from lora_guard.engine.lora import AdapterLoader, HostCache, SlotPool
+from lora_guard.engine.lora import AdapterLoader, HostCache, LoRAAdapter, SlotPool, read_adapter
 from lora_guard.engine.model import LlamaModel
 from lora_guard.engine.runner import ModelRunner
 from lora_guard.engine.sampling import SamplerInput, SamplingParams, sample
@@ -96,14 +96,17 @@ class LLMEngine:
         self.blocks = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching, self._may_reuse
         )
+        merged = config.lora_mode == "merged"
         self.slot_pool = SlotPool(
-            spec, config.max_loras, config.max_lora_rank, config.torch_dtype, config.torch_device
-        )
+            spec, 0 if merged else config.max_loras, config.max_lora_rank, config.torch_dtype,
+            config.torch_device,
+        )  # fmt: skip
         self.adapters = AdapterManager(
             self.slot_pool,
             HostCache(config.max_cpu_loras),
             AdapterLoader(spec, config.max_lora_rank),
             events=self.hooks,
+            merge=self._merge if merged else None,
         )
         if adapter_dir is not None:
             for folder in sorted(Path(adapter_dir).expanduser().iterdir()):
@@ -111,6 +114,8 @@ class LLMEngine:
                     self.adapters.register(folder.name, folder)
         for adapter_id, path in (adapters or {}).items():
             self.adapters.register(adapter_id, Path(path).expanduser())
+        if config.static_adapter is not None:
+            self._merge_static(config.static_adapter)
         self.scheduler = Scheduler(
             self.blocks, self.adapters, self.bind_cache, config.max_batch_tokens,
             config.max_num_seqs, self.hooks,
@@ -118,6 +123,24 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.slot_pool, config.block_size)
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
+
+    def _merge(self, adapter: LoRAAdapter | None) -> None:
+        if adapter is None:
+            self.model.unmerge_lora()
+        else:
+            reversible = self.config.static_adapter is None
+            self.model.merge_lora(adapter.weights, reversible=reversible)
+
+    def _merge_static(self, adapter_id: str) -> None:
+        """The static baseline: one adapter merged for good before serving starts."""
+        if not self.adapters.knows(adapter_id):
+            raise ConfigError(f"static adapter {adapter_id!r} is not among the adapters")
+        path = self.adapters.registry[adapter_id]
+        adapter = read_adapter(adapter_id, path, self.model.spec, self.config.max_lora_rank)
+        self.adapters.host.put(adapter)
+        binding = self.adapters.acquire(adapter_id)
+        assert binding is not None
+        self.adapters.release(binding.slot)
 
     def bind_cache(self, seq: Sequence, content_hash: str | None) -> None:
         """Set ``seq``'s prefix-cache scope (the weights its KV is computed under) and namespace
@@ -151,6 +174,12 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         if adapter_id is not None and not self.adapters.knows(adapter_id):
             raise RequestError(f"adapter {adapter_id!r} is not known")
+        static = self.config.static_adapter
+        if static is not None and adapter_id != static:
+            raise RequestError(
+                f"this engine serves only adapter {static!r}, merged into the base weights "
+                "(policy static)"
+            )
         token_ids = self.encode(prompt)
         if not token_ids:
             raise RequestError("the prompt is empty")

@@ -33,7 +33,6 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
-_PROJECTION_OF = {m: (p, j) for p, mods in FUSED_PROJECTIONS.items() for j, m in enumerate(mods)}
 
 
 class AdapterError(ValueError):
@@ -165,7 +164,7 @@ class SlotPool:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.num_slots, self.max_rank = num_slots, max_rank
+        self.spec, self.num_slots, self.max_rank = spec, num_slots, max_rank
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
         self.widths: dict[str, list[int]] = {p: [0] * num_slots for p in FUSED_PROJECTIONS}
@@ -180,11 +179,6 @@ class SlotPool:
                 self.b[layer, projection] = torch.zeros(
                     num_slots, k, fan_out, dtype=dtype, device=device
                 )
-        self._out_offsets = {
-            m: sum(spec.module_shape(x)[1] for x in mods[:j])
-            for mods in FUSED_PROJECTIONS.values()
-            for j, m in enumerate(mods)
-        }
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
@@ -205,11 +199,11 @@ class SlotPool:
                     self.a[layer, projection][slot, :width].zero_()
                     self.b[layer, projection][slot, :width].zero_()
         for (layer, module), (a, b) in adapter.weights.items():
-            projection, j = _PROJECTION_OF[module]
-            rank, out0 = a.shape[0], self._out_offsets[module]
-            rows = slice(j * r, j * r + rank)
+            projection, out0, out1 = self.spec.fused_rows(module)
+            j = FUSED_PROJECTIONS[projection].index(module)
+            rows = slice(j * r, j * r + a.shape[0])
             self.a[layer, projection][slot, rows].copy_(a)
-            self.b[layer, projection][slot, rows, out0 : out0 + b.shape[0]].copy_(b.T)
+            self.b[layer, projection][slot, rows, out0:out1].copy_(b.T)
 
     def clear(self, slot: int) -> None:
         for widths in self.widths.values():

@@ -101,6 +101,14 @@ class ModelSpec:
             "down_proj": (inter, h),
         }[module]
 
+    def fused_rows(self, module: str) -> tuple[str, int, int]:
+        """The fused projection that holds ``module``, and the output rows it occupies there."""
+        for projection, modules in FUSED_PROJECTIONS.items():
+            if module in modules:
+                start = sum(self.module_shape(m)[1] for m in modules[: modules.index(module)])
+                return projection, start, start + self.module_shape(module)[1]
+        raise KeyError(module)
+
 
 @dataclass(slots=True)
 class LoraSegment:
@@ -209,9 +217,38 @@ class LlamaModel:
                     "down_bias": w(mlp + "down_proj.bias") if s.mlp_bias else None,
                 }
             )
+        self._pristine: dict[tuple[int, str], torch.Tensor] = {}
         inv_freq, self.rope_scaling = rope_inv_freq(self.config, s.head_dim)
         self.inv_freq = inv_freq.to(device)
         self.scale = 1.0 / math.sqrt(s.head_dim)
+
+    def merge_lora(
+        self,
+        weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+        *,
+        reversible: bool = True,
+    ) -> None:
+        """Add ``B @ A`` (scaling folded into B) into the base weights, undoing any earlier merge.
+
+        A reversible merge keeps the original rows it changes, so :meth:`unmerge_lora` restores
+        them exactly.
+        """
+        self.unmerge_lora()
+        for (layer, module), (a, b) in weights.items():
+            projection, start, end = self.spec.fused_rows(module)
+            weight = self.layers[layer][projection]
+            assert weight is not None
+            if reversible and (layer, projection) not in self._pristine:
+                self._pristine[layer, projection] = weight.clone()
+            delta = b.to(self.device, torch.float32) @ a.to(self.device, torch.float32)
+            weight[start:end] += delta.to(weight.dtype)
+
+    def unmerge_lora(self) -> None:
+        for (layer, projection), original in self._pristine.items():
+            weight = self.layers[layer][projection]
+            assert weight is not None
+            weight.copy_(original)
+        self._pristine.clear()
 
     def weight_bytes(self) -> int:
         tensors = [self.embed, self.norm, *(t for layer in self.layers for t in layer.values())]

@@ -174,7 +174,13 @@ class Scheduler:
 
     def _bind_adapter(self, seq: Sequence) -> tuple[bool, str | None]:
         """Give ``seq`` its adapter slot (adapter-load decisions); False means wait."""
+        if seq.adapter_id is None and not self.adapters.merged_mode:
+            return True, None
         if seq.adapter_id is None:
+            binding = self.adapters.acquire(None)
+            if binding is None:
+                return False, None
+            seq.lora_slot, seq.holds_adapter = None, True
             return True, None
         tier = self.adapters.tier(seq.adapter_id)
         slot = None
@@ -195,7 +201,7 @@ class Scheduler:
         if binding is None:
             return False, None
         self._state = None  # the slots changed
-        seq.lora_slot = binding.slot
+        seq.lora_slot, seq.holds_adapter = binding.slot, True
         return True, binding.content_hash
 
     def preempt(self, seq: Sequence) -> None:
@@ -217,9 +223,9 @@ class Scheduler:
         seq.status = Status.FINISHED
 
     def _unbind(self, seq: Sequence) -> None:
-        if seq.lora_slot is not None:
+        if seq.holds_adapter:
             self.adapters.release(seq.lora_slot)
-            seq.lora_slot = None
+            seq.lora_slot, seq.holds_adapter = None, False
 
 
 class _Rejected(Exception):

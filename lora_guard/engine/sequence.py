@@ -54,6 +54,7 @@ class Sequence:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     lora_slot: int | None = None
+    holds_adapter: bool = False  # holds a reference on its slot or on the merged weights
     finish_reason: FinishReason | None = None
     error: str | None = None
     retry_after: float | None = None

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "lora_guard"
 DISABLE_AUTOLOAD_ENV = "LORA_GUARD_DISABLE_PLUGIN_AUTOLOAD"
 GUARD_POLICIES = ("hot-set", "cold-budget", "kv-namespace")
-BASELINE_POLICIES = ("lru", "on-demand")
+BASELINE_POLICIES = ("lru", "on-demand", "static")
 DEFAULT_POLICIES = GUARD_POLICIES
 POLICY_PLUGINS: dict[str, str] = {
     "hot-set": "lora_guard.policies.hot_set:HotSetPolicy",
@@ -35,6 +35,7 @@ POLICY_PLUGINS: dict[str, str] = {
     "kv-namespace": "lora_guard.policies.kv_namespace:KVNamespacePolicy",
     "lru": "lora_guard.policies.baselines:LRUPolicy",
     "on-demand": "lora_guard.policies.baselines:OnDemandPolicy",
+    "static": "lora_guard.policies.baselines:StaticPolicy",
 }
 ALWAYS_ON_PLUGINS: dict[str, str] = {"metrics": "lora_guard.metrics:MetricsPlugin"}
 
