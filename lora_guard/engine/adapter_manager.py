@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +80,7 @@ class AdapterManager:
         self.slots = [SlotState() for _ in range(pool.num_slots)]
         self.stats = AdapterStats()
         self._load_started: dict[str, float] = {}
+        self._disk_reads: deque[float] = deque()  # monotonic start times, last 10 minutes
         self._waiting_cold: set[str] = set()
 
     # registry
@@ -136,9 +138,7 @@ class AdapterManager:
         adapter = self.host.get(adapter_id)
         if adapter is None:
             if self.tier(adapter_id) is Lookup.COLD:
-                self.stats.lookups[Lookup.COLD] += 1
-                self._load_started[adapter_id] = now
-                self.loader.submit(adapter_id, self.registry[adapter_id])
+                self._read_from_disk(adapter_id, now)
             return None
         if slot is None:
             slot = self.choose_slot()
@@ -162,6 +162,18 @@ class AdapterManager:
             )  # fmt: skip
         return self._bind(slot, now)
 
+    def _read_from_disk(self, adapter_id: str, now: float) -> None:
+        self.stats.lookups[Lookup.COLD] += 1
+        self._load_started[adapter_id] = now
+        self._disk_reads.append(time.monotonic())
+        while self._disk_reads and self._disk_reads[0] < self._disk_reads[-1] - 600:
+            self._disk_reads.popleft()
+        self.loader.submit(adapter_id, self.registry[adapter_id])
+
+    def cold_loads_since(self, since: float) -> int:
+        """Adapter reads from disk started after ``since`` (``time.monotonic()``)."""
+        return sum(1 for t in self._disk_reads if t > since)
+
     @property
     def merged_mode(self) -> bool:
         return self.merge is not None
@@ -179,9 +191,7 @@ class AdapterManager:
             adapter = self.host.get(adapter_id)
             if adapter is None:
                 if self.tier(adapter_id) is Lookup.COLD:
-                    self.stats.lookups[Lookup.COLD] += 1
-                    self._load_started[adapter_id] = now
-                    self.loader.submit(adapter_id, self.registry[adapter_id])
+                    self._read_from_disk(adapter_id, now)
                 return None
         if self.merged_refs:
             return None  # running requests still use the weights merged now

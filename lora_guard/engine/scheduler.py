@@ -9,9 +9,10 @@ is preempted: its blocks are freed and it is recomputed later.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from lora_guard.engine.adapter_manager import AdapterManager, Lookup
 from lora_guard.engine.kv_cache import BlockManager
@@ -20,6 +21,8 @@ from lora_guard.engine.sequence import Sequence, Status
 from lora_guard.plugins.decisions import Defer, Load, Reject
 from lora_guard.plugins.manager import Hooks
 from lora_guard.plugins.state import EngineState, SlotView
+
+WINDOW_S = 60.0  # of the heat and cold-load counts in the state view
 
 # Sets a sequence's prefix-cache namespace and scope once its adapter's weights are known.
 CacheBinder = Callable[[Sequence, str | None], None]
@@ -68,9 +71,14 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_steps = 0
         self._state: EngineState | None = None
+        self._arrivals: deque[tuple[float, str]] = deque()  # (time, adapter id), for the heat
+        self._heat: Counter[str] = Counter()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        if seq.adapter_id is not None:
+            self._arrivals.append((time.monotonic(), seq.adapter_id))
+            self._heat[seq.adapter_id] += 1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -78,10 +86,12 @@ class Scheduler:
     def state(self, *, fresh: bool = False) -> EngineState:
         """A read-only view of the engine for the hooks, taken once per scheduling pass."""
         if self._state is None or fresh:
-            adapters = self.adapters
+            adapters, now = self.adapters, time.monotonic()
+            while self._arrivals and self._arrivals[0][0] <= now - WINDOW_S:
+                self._heat[self._arrivals.popleft()[1]] -= 1
             self._state = EngineState(
                 step=self.num_steps,
-                now=time.monotonic(),
+                now=now,
                 slots=tuple(
                     SlotView(i, s.adapter_id, s.refs, s.last_used)
                     for i, s in enumerate(adapters.slots)
@@ -94,6 +104,8 @@ class Scheduler:
                 registered=frozenset(adapters.registry),
                 waiting_adapters=tuple(s.adapter_id for s in self.waiting if s.adapter_id),
                 running_adapters=tuple(s.adapter_id for s in self.running if s.adapter_id),
+                heat=MappingProxyType({a: n for a, n in self._heat.items() if n > 0}),
+                cold_loads_in_window=adapters.cold_loads_since(now - WINDOW_S),
             )
         return self._state
 

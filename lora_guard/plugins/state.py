@@ -3,6 +3,7 @@ reach into the engine's own objects."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -45,6 +46,8 @@ class EngineState:
     :param registered: every adapter id the engine knows.
     :param waiting_adapters: adapter ids of the waiting requests (with repeats).
     :param running_adapters: adapter ids of the running requests (with repeats).
+    :param heat: requests per adapter that arrived in the last 60 s.
+    :param cold_loads_in_window: adapter reads from disk started in the last 60 s.
     """
 
     step: int
@@ -58,6 +61,8 @@ class EngineState:
     registered: frozenset[str] = field(default_factory=frozenset)
     waiting_adapters: tuple[str, ...] = ()
     running_adapters: tuple[str, ...] = ()
+    heat: Mapping[str, int] = field(default_factory=dict)
+    cold_loads_in_window: int = 0
 
     def slot_of(self, adapter_id: str) -> int | None:
         for view in self.slots:
