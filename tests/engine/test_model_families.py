@@ -23,7 +23,7 @@ from transformers import (
 from lora_guard import LLM, SamplingParams
 from lora_guard.adapter_maker import make_adapters
 from lora_guard.engine import ModelLoadError
-from lora_guard.testing import make_tiny_llama, make_tiny_tokenizer
+from lora_guard.testing import make_tiny_llama, make_tiny_tokenizer, reference_greedy
 
 NEW_TOKENS = 12
 PARAMS = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
@@ -113,24 +113,6 @@ def mistral_wide_heads(out: Path) -> Path:
     return save_family(out, MistralForCausalLM, MistralConfig, sliding_window=None, head_dim=32)
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], pad_token_id: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokens = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=pad_token_id,
-            )
-        tokens.append(out[0, ids.shape[1] :].tolist())
-    return tokens
-
-
 @pytest.mark.parametrize(
     "build",
     [
@@ -154,7 +136,7 @@ def test_greedy_tokens_match_transformers(build: Callable[[Path], Path], tmp_pat
     assert len(set(lengths)) == len(PROMPTS) and max(lengths) > 2 * BLOCK_SIZE, lengths
     for out in outs:
         assert out.finish_reason == "length" and len(out.token_ids) == NEW_TOKENS
-    expected = hf_greedy(model_dir, [o.prompt_token_ids for o in outs], llm.tokenizer.pad_token_id)
+    expected = reference_greedy(model_dir, [(o.prompt_token_ids, None) for o in outs], NEW_TOKENS)
     assert all(len(e) == NEW_TOKENS for e in expected)
     # a random model that repeats one token would make the comparison weak
     assert len({t for e in expected for t in e}) >= 8
