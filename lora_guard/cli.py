@@ -30,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"lora-guard {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser(
+        "serve",
+        help="serve the model and its adapters over HTTP (TGI and OpenAI routes); "
+        "`lora-guard serve --help` lists every setting",
+        add_help=False,
+    )
 
     demo = commands.add_parser(
         "prepare-demo",
@@ -80,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        return _serve(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "prepare-demo":
@@ -91,6 +100,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _serve(argv: list[str]) -> int:
+    import logging
+
+    from lora_guard.config import SettingsError, load_settings
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        settings = load_settings(argv)
+    except SettingsError as exc:
+        print(f"lora-guard serve: error: {exc}", file=sys.stderr)
+        return 2
+    from lora_guard.engine.config import ConfigError
+    from lora_guard.engine.llm import build_engine
+    from lora_guard.engine.lora import AdapterError
+    from lora_guard.engine.model import ModelLoadError
+    from lora_guard.plugins import PluginError
+    from lora_guard.server.serve import serve
+
+    kwargs = settings.engine_kwargs()
+    if kwargs["model"] is None:
+        from lora_guard.demo import DemoError, prepare_demo
+
+        try:
+            demo = prepare_demo()
+        except DemoError as exc:
+            print(f"lora-guard serve: error: {exc}", file=sys.stderr)
+            return 1
+        kwargs["model"] = str(demo.model_dir)
+        if kwargs["adapter_dir"] is None and not kwargs["adapters"]:
+            kwargs["adapter_dir"] = demo.adapter_dir
+    assert settings.hooks is not None
+    try:
+        engine = build_engine(
+            settings.hooks, settings.policies, settings.plugin_settings(), **kwargs
+        )
+        return serve(engine, settings.host, settings.port, settings.plugin_settings())
+    except (ConfigError, ModelLoadError, AdapterError, PluginError, ValueError) as exc:
+        print(f"lora-guard serve: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _prepare_demo(args: argparse.Namespace) -> int:

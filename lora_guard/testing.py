@@ -5,6 +5,13 @@ They are built locally in a second or two, so the fast test suite never needs th
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +137,52 @@ def reference_greedy(
         if adapter is not None:
             base = model.unload()
     return results
+
+
+@dataclass
+class ServerProcess:
+    """A ``lora-guard serve`` started by :func:`start_server`; ``stop`` sends SIGTERM."""
+
+    url: str
+    process: subprocess.Popen[str]
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(model: Path, adapter_dir: Path, *args: str, log: Path) -> ServerProcess:
+    """Start ``lora-guard serve`` on a free loopback port and wait until ``/health`` is 200."""
+    import httpx
+
+    port = free_port()
+    command = [
+        sys.executable, "-m", "lora_guard.cli", "serve", "--model", str(model),
+        "--adapter-dir", str(adapter_dir), "--host", "127.0.0.1", "--port", str(port),
+        "--kv-cache-memory", "16MiB", "--block-size", "4", *args,
+    ]  # fmt: skip
+    env = {**os.environ, "LORA_GUARD_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    with log.open("w") as handle:
+        process = subprocess.Popen(
+            command, stdout=handle, stderr=subprocess.STDOUT, text=True, env=env
+        )
+    server = ServerProcess(f"http://127.0.0.1:{port}", process)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"server did not become healthy:\n{log.read_text()}")

@@ -12,7 +12,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from lora_guard.engine.llm_engine import LLMEngine, RequestOutput
@@ -87,7 +87,7 @@ class AsyncEngine:
         *,
         request_id: str | None = None,
         tenant_id: str = "default",
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's state after every step that changed it; the last one is finished.
 
         Raises the engine's validation errors (RequestError, ...) before the first output.

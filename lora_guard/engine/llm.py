@@ -67,12 +67,13 @@ class LLM:
         settings: dict[str, Any] | None = None,
     ) -> None:
         chosen = parse_policies(policies)
-        static_adapter = (settings or {}).get("static_adapter")
-        if "static" in chosen and not static_adapter:
-            raise ConfigError(
-                'policy static needs the adapter to serve: settings={"static_adapter": ID}'
-            )
-        config = EngineConfig(
+        hooks = Hooks(make_plugin_manager(chosen, plugins, disabled_plugins))
+        self.engine = build_engine(
+            hooks,
+            chosen,
+            settings or {},
+            adapters=adapters,
+            adapter_dir=adapter_dir,
             model=str(model),
             model_id=model_id,
             max_loras=max_loras,
@@ -86,12 +87,7 @@ class LLM:
             max_model_len=max_model_len,
             dtype=dtype,
             device=device,
-            lora_mode="merged" if {"static", "on-demand"} & set(chosen) else "slots",
-            static_adapter=static_adapter if "static" in chosen else None,
         )
-        hooks = Hooks(make_plugin_manager(chosen, plugins, disabled_plugins))
-        hooks.configure({**asdict(config), **(settings or {})})
-        self.engine = LLMEngine(config, adapters=adapters, adapter_dir=adapter_dir, hooks=hooks)
         self._ids = itertools.count()
 
     @property
@@ -139,6 +135,30 @@ class LLM:
             if not outputs:
                 time.sleep(_IDLE_WAIT_S)  # waiting for an adapter load
         return [finished[i] for i in ids]
+
+
+def build_engine(
+    hooks: Hooks,
+    policies: tuple[str, ...],
+    settings: dict[str, Any],
+    adapters: dict[str, str | Path] | None = None,
+    adapter_dir: str | Path | None = None,
+    **config: Any,
+) -> LLMEngine:
+    """An engine with ``hooks`` configured: the one path from settings to an engine, for the
+    offline API and the server alike."""
+    static_adapter = settings.get("static_adapter")
+    if "static" in policies and not static_adapter:
+        raise ConfigError(
+            'policy static needs the adapter to serve: settings={"static_adapter": ID}'
+        )
+    engine_config = EngineConfig(
+        **config,
+        lora_mode="merged" if {"static", "on-demand"} & set(policies) else "slots",
+        static_adapter=static_adapter if "static" in policies else None,
+    )
+    hooks.configure({**asdict(engine_config), **settings})
+    return LLMEngine(engine_config, adapters=adapters, adapter_dir=adapter_dir, hooks=hooks)
 
 
 def _per_prompt(value: Any, n: int, default: Any) -> list[Any]:

@@ -1,0 +1,68 @@
+"""Bad requests get TGI's error bodies and codes; the cold-load budget answers 429."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lora_guard.testing import ServerProcess as Server
+from lora_guard.testing import start_server
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ({"adapter_id": "nope"}, "adapter 'nope' is not known"),
+        ({"adapter_id": "../a-00"}, "invalid adapter id"),
+        ({"adapter_id": "a/b"}, "invalid adapter id"),
+        ({"temperature": 0}, "`temperature` must be strictly positive"),
+        ({"top_k": -1}, "`top_k` must be strictly positive"),
+        ({"top_p": 1.5}, "`top_p` must be > 0.0 and <= 1.0"),
+        ({"max_new_tokens": 0}, "`max_new_tokens` must be strictly positive"),
+        ({"max_new_tokens": 100000}, "`inputs` tokens + `max_new_tokens` must be <="),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "`stop` must have at most 4 items"),
+        ({"best_of": 2}, "`best_of` != 1 is not supported"),
+    ],
+)
+def test_invalid_requests_get_422_with_tgi_messages(
+    server: Server, parameters: dict[str, object], message: str
+) -> None:
+    for route in ("/generate", "/generate_stream"):
+        r = httpx.post(server.url + route, json={"inputs": "hello", "parameters": parameters})
+        assert r.status_code == 422, r.text
+        assert r.json()["error_type"] == "validation"
+        assert message in r.json()["error"]
+
+
+def test_unknown_model_on_openai_routes_is_404(server: Server) -> None:
+    body = {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 404 and "not known" in r.json()["error"]
+
+
+def test_malformed_body_is_422(server: Server) -> None:
+    r = httpx.post(server.url + "/generate", json={"parameters": {}})
+    assert r.status_code == 422 and r.json()["error_type"] == "validation"
+    assert "inputs" in r.json()["error"]
+
+
+def test_spent_cold_budget_answers_429_with_retry_after(
+    tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    model, adapters = tiny
+    busy = start_server(model, adapters, "--cold-loads-per-minute", "1", log=tmp_path / "log")
+    try:
+        body = {"inputs": "hello", "parameters": {"max_new_tokens": 2, "adapter_id": "a-00"}}
+        assert httpx.post(busy.url + "/generate", json=body, timeout=60).status_code == 200
+        body["parameters"]["adapter_id"] = "a-01"  # type: ignore[index]
+        r = httpx.post(busy.url + "/generate", json=body, timeout=60)
+        assert r.status_code == 429, r.text
+        assert r.json()["error_type"] == "overloaded"
+        assert 1 <= int(r.headers["retry-after"]) <= 60
+        # The adapter already loaded still answers.
+        body["parameters"]["adapter_id"] = "a-00"  # type: ignore[index]
+        assert httpx.post(busy.url + "/generate", json=body, timeout=60).status_code == 200
+    finally:
+        assert busy.stop() == 0

@@ -1,0 +1,1 @@
+"""The HTTP server: TGI- and OpenAI-compatible routes on the engine (``lora-guard serve``)."""

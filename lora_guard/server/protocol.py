@@ -1,0 +1,81 @@
+"""Request bodies, as TGI and OpenAI define them. Unknown fields are ignored, as TGI does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class GenerateParameters(_Body):
+    adapter_id: str | None = None
+    best_of: int | None = None
+    decoder_input_details: bool = False
+    details: bool = True
+    do_sample: bool = False
+    frequency_penalty: float | None = None
+    grammar: Any = None
+    max_new_tokens: int | None = None
+    repetition_penalty: float | None = None
+    return_full_text: bool | None = None
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    temperature: float | None = None
+    top_k: int | None = None
+    top_n_tokens: int | None = None
+    top_p: float | None = None
+    truncate: int | None = None
+    typical_p: float | None = None
+    watermark: bool = False
+
+
+class GenerateRequest(_Body):
+    inputs: str
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+
+
+class CompatGenerateRequest(GenerateRequest):
+    stream: bool = False
+
+
+class TokenizeRequest(_Body):
+    inputs: str
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Body):
+    model: str | None = None
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logprobs: bool | None = None
+    n: int | None = None
+
+
+class CompletionRequest(_Body):
+    model: str | None = None
+    prompt: str | list[str]
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    echo: bool = False
+    n: int | None = None

@@ -1,0 +1,70 @@
+"""``lora-guard serve``: settings -> engine -> HTTP server, until SIGTERM or Ctrl-C.
+
+On SIGTERM the server stops accepting connections, lets requests in flight finish for up to
+``GRACE_S`` seconds, then aborts what is left, frees the engine and exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from lora_guard.engine.async_engine import AsyncEngine
+from lora_guard.engine.llm_engine import LLMEngine
+from lora_guard.server.app import create_app
+from lora_guard.server.state import Limits, ServerState
+
+GRACE_S = 30
+log = logging.getLogger("lora_guard.server")
+
+
+def limits_for(engine: LLMEngine, settings: dict[str, Any]) -> Limits:
+    max_total = int(settings.get("max_total_tokens") or engine.max_model_len)
+    max_total = min(max_total, engine.max_model_len)
+    max_input = int(settings.get("max_input_tokens") or max_total - 1)
+    if max_input >= max_total:
+        raise ValueError(
+            f"max_input_tokens ({max_input}) must be below max_total_tokens ({max_total})"
+        )
+    return Limits(
+        max_concurrent_requests=int(settings.get("max_concurrent_requests") or 128),
+        max_input_tokens=max_input,
+        max_total_tokens=max_total,
+        max_stop_sequences=int(settings.get("max_stop_sequences") or 4),
+    )
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, but a SIGTERM or Ctrl-C ends in a graceful shutdown and exit status 0 (uvicorn
+    re-raises the signal after shutting down, which makes the exit status -15)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        signals = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def serve(engine: LLMEngine, host: str, port: int, settings: dict[str, Any]) -> int:
+    from lora_guard.metrics import metrics_of
+
+    state = ServerState(
+        AsyncEngine(engine), limits_for(engine, settings), metrics=metrics_of(engine.hooks.pm)
+    )
+    app = create_app(state)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=GRACE_S
+    )
+    log.info("serving %s with %d adapters on http://%s:%d", engine.model_id,
+             len(engine.adapters.registry), host, port)  # fmt: skip
+    _Server(config).run()
+    return 0
