@@ -219,6 +219,7 @@ class LLMEngine:
         self.scheduler.finish(seq)
         seq.finish_reason = FinishReason.ABORT
         self._finished(seq)
+        self._step_finished(0, 0.0)  # observers see the freed blocks even if no step follows
         return self._output(seq)
 
     def has_unfinished_requests(self) -> bool:
