@@ -23,7 +23,9 @@ lint: bootstrap
 demo: bootstrap
 	$(BIN)/lora-guard prepare-demo
 
+## serve: the demo model and its 24 adapters on http://127.0.0.1:8080 (prepares what is missing)
 serve: demo
+	$(BIN)/lora-guard serve
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

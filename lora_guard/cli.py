@@ -122,6 +122,11 @@ def _serve(argv: list[str]) -> int:
     from lora_guard.plugins import PluginError
     from lora_guard.server.serve import serve
 
+    if settings.api_key_file is not None:
+        # Never serve without the authentication the operator asked for.
+        print("lora-guard serve: error: --api-key-file is not supported yet; without it the "
+              "tenant comes from the X-Tenant-Id header", file=sys.stderr)  # fmt: skip
+        return 2
     kwargs = settings.engine_kwargs()
     if kwargs["model"] is None:
         from lora_guard.demo import DemoError, prepare_demo
