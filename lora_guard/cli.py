@@ -122,11 +122,15 @@ def _serve(argv: list[str]) -> int:
     from lora_guard.plugins import PluginError
     from lora_guard.server.serve import serve
 
+    keys = None
     if settings.api_key_file is not None:
-        # Never serve without the authentication the operator asked for.
-        print("lora-guard serve: error: --api-key-file is not supported yet; without it the "
-              "tenant comes from the X-Tenant-Id header", file=sys.stderr)  # fmt: skip
-        return 2
+        from lora_guard.server.auth import KeyFileError, KeyRing
+
+        try:
+            keys = KeyRing.from_file(settings.api_key_file)
+        except KeyFileError as exc:
+            print(f"lora-guard serve: error: {exc}", file=sys.stderr)
+            return 2
     kwargs = settings.engine_kwargs()
     if kwargs["model"] is None:
         from lora_guard.demo import DemoError, prepare_demo
@@ -144,7 +148,12 @@ def _serve(argv: list[str]) -> int:
         engine = build_engine(
             settings.hooks, settings.policies, settings.plugin_settings(), **kwargs
         )
-        return serve(engine, settings.host, settings.port, settings.plugin_settings())
+        adapter_dirs = [Path(d) for d in settings.adapter_dir]
+        if kwargs["adapter_dir"] is not None and not adapter_dirs:
+            adapter_dirs = [Path(kwargs["adapter_dir"])]  # the demo's
+        return serve(
+            engine, settings.host, settings.port, settings.plugin_settings(), keys, adapter_dirs
+        )
     except (ConfigError, ModelLoadError, AdapterError, PluginError, ValueError) as exc:
         print(f"lora-guard serve: error: {exc}", file=sys.stderr)
         return 1

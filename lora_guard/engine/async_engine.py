@@ -12,8 +12,10 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from lora_guard.engine.llm_engine import LLMEngine, RequestOutput
 from lora_guard.engine.sampling import SamplingParams
@@ -42,6 +44,12 @@ class _Abort:
     request_id: str
 
 
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: Future[Any]
+
+
 class _Stream:
     """Carries one request's outputs (or its error) from the loop thread to its event loop."""
 
@@ -56,7 +64,7 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
@@ -116,7 +124,16 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(_Abort(request_id))
 
-    def _send(self, command: _Add | _Abort) -> None:
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the loop thread between two steps and return its result (the
+        engine is not thread-safe: admin changes go through here)."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine loop is not running")
+        future: Future[Any] = Future()
+        self._send(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
+    def _send(self, command: _Add | _Abort | _Call) -> None:
         self._commands.put(command)
         self._wake.set()
 
@@ -150,9 +167,11 @@ class AsyncEngine:
         finally:
             for request_id in list(self.engine.requests):
                 self.engine.abort(request_id)
+            stopping = EngineDeadError("the engine is shutting down")
             for stream in self._streams.values():
-                stream.put(EngineDeadError("the engine is shutting down"))
+                stream.put(stopping)
             self._streams.clear()
+            self._drain_after_death(stopping)
 
     def _apply_commands(self) -> None:
         while True:
@@ -161,6 +180,12 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command is None:
+                continue
+            if isinstance(command, _Call):
+                try:
+                    command.future.set_result(command.fn(self.engine))
+                except Exception as exc:
+                    command.future.set_exception(exc)
                 continue
             if isinstance(command, _Abort):
                 self._streams.pop(command.request_id, None)
@@ -184,3 +209,5 @@ class AsyncEngine:
                 return
             if isinstance(command, _Add):
                 command.stream.put(error)
+            elif isinstance(command, _Call):
+                command.future.set_exception(error)

@@ -78,6 +78,17 @@ class HotSetPolicy:
             raise ValueError("hot_set_size and max_loras_per_batch must be >= 0, "
                              "max_wait_steps >= 1")  # fmt: skip
 
+    # administration (called on the engine's loop thread)
+    def pin(self, adapter_id: str, slots: int) -> None:
+        if adapter_id in self.pinned:
+            return
+        if len(self.pinned) + 1 >= slots:
+            raise ValueError(f"pinning {adapter_id!r} would leave no slot for the other adapters")
+        self.pinned = (*self.pinned, adapter_id)
+
+    def unpin(self, adapter_id: str) -> None:
+        self.pinned = tuple(a for a in self.pinned if a != adapter_id)
+
     # heat
     @hookimpl
     def lora_guard_adapter_lookup(self, request: RequestView, result: str) -> None:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 
 from lora_guard import __version__
-from lora_guard.server import errors, routes_openai, routes_tgi
+from lora_guard.server import errors, routes_admin, routes_openai, routes_tgi
+from lora_guard.server.errors import APIError
 from lora_guard.server.state import ServerState
+
+OPEN_PATHS = frozenset({"/health", "/metrics", "/info"})
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -28,4 +32,19 @@ def create_app(state: ServerState) -> FastAPI:
     errors.install(app)
     app.include_router(routes_tgi.router)
     app.include_router(routes_openai.router)
+    app.include_router(routes_admin.router)
+
+    @app.middleware("http")
+    async def authenticate(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        if state.keys is not None and request.url.path not in OPEN_PATHS:
+            try:
+                request.state.api_key = state.keys.authenticate(
+                    request.headers.get("authorization")
+                )
+            except APIError as exc:
+                return JSONResponse(exc.body(), status_code=exc.status)
+        return await call_next(request)
+
     return app

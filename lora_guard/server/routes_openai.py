@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from lora_guard.engine.llm_engine import RequestOutput
 from lora_guard.server.errors import APIError, validation
 from lora_guard.server.protocol import ChatCompletionRequest, CompletionRequest
-from lora_guard.server.routes_tgi import _state, _tenant
+from lora_guard.server.routes_tgi import _authorize, _state, _tenant
 from lora_guard.server.state import ServerState, first_then_rest
 
 router = APIRouter(prefix="/v1")
@@ -72,6 +72,7 @@ def _usage(prompt: list[int], out: RequestOutput) -> dict[str, int]:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = _state(request)
     adapter = state.check_adapter(body.model, openai=True)
+    _authorize(request, adapter)
     prompt = _chat_prompt(state, body)
     params = _params(state, body, prompt)
     model = body.model or state.model_id
@@ -126,6 +127,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = _state(request)
     adapter = state.check_adapter(body.model, openai=True)
+    _authorize(request, adapter)
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if len(prompts) != 1:
         raise validation("`prompt` must be one string")

@@ -29,9 +29,17 @@ def _state(request: Request) -> ServerState:
 
 
 def _tenant(request: Request) -> str:
-    return str(
-        getattr(request.state, "tenant", None) or request.headers.get("x-tenant-id") or "default"
-    )
+    """The caller's tenant: from its API key when keys are configured, else X-Tenant-Id."""
+    key = getattr(request.state, "api_key", None)
+    if key is not None:
+        return str(key.tenant)
+    return request.headers.get("x-tenant-id") or "default"
+
+
+def _authorize(request: Request, adapter_id: str | None) -> None:
+    key = getattr(request.state, "api_key", None)
+    if key is not None and not key.may_use(adapter_id):
+        raise APIError(403, f"this API key may not use adapter {adapter_id!r}", "forbidden")
 
 
 def _unsupported(p: GenerateParameters) -> None:
@@ -51,10 +59,13 @@ def _unsupported(p: GenerateParameters) -> None:
         raise validation("`seed` must be a non-negative integer")
 
 
-def _prepare(state: ServerState, body: GenerateRequest) -> tuple[list[int], Any, str | None]:
+def _prepare(
+    state: ServerState, body: GenerateRequest, request: Request
+) -> tuple[list[int], Any, str | None]:
     p = body.parameters
     _unsupported(p)
     adapter = state.check_adapter(p.adapter_id)
+    _authorize(request, adapter)
     prompt = state.encode(body.inputs)
     if p.truncate is not None and 0 < p.truncate < len(prompt):
         prompt = prompt[-p.truncate :]
@@ -89,10 +100,10 @@ def _details(state: ServerState, out: RequestOutput, seed: int | None) -> dict[s
     }
 
 
-async def _generate(state: ServerState, body: GenerateRequest, tenant: str) -> dict[str, Any]:
-    prompt, params, adapter = _prepare(state, body)
+async def _generate(state: ServerState, body: GenerateRequest, request: Request) -> dict[str, Any]:
+    prompt, params, adapter = _prepare(state, body, request)
     last = None
-    async for out in state.generate(prompt, params, adapter, tenant):
+    async for out in state.generate(prompt, params, adapter, _tenant(request)):
         last = out
     assert last is not None
     text = last.text
@@ -104,9 +115,9 @@ async def _generate(state: ServerState, body: GenerateRequest, tenant: str) -> d
     return result
 
 
-async def _stream(state: ServerState, body: GenerateRequest, tenant: str) -> Response:
-    prompt, params, adapter = _prepare(state, body)
-    outputs = state.generate(prompt, params, adapter, tenant)
+async def _stream(state: ServerState, body: GenerateRequest, request: Request) -> Response:
+    prompt, params, adapter = _prepare(state, body, request)
+    outputs = state.generate(prompt, params, adapter, _tenant(request))
     first, rest = await first_then_rest(outputs)  # errors so far still get their status code
 
     async def events() -> AsyncIterator[bytes]:
@@ -145,19 +156,19 @@ async def _stream(state: ServerState, body: GenerateRequest, tenant: str) -> Res
 
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
-    return JSONResponse(await _generate(_state(request), body, _tenant(request)))
+    return JSONResponse(await _generate(_state(request), body, request))
 
 
 @router.post("/generate_stream")
 async def generate_stream(body: GenerateRequest, request: Request) -> Response:
-    return await _stream(_state(request), body, _tenant(request))
+    return await _stream(_state(request), body, request)
 
 
 @router.post("/")
 async def compat_generate(body: CompatGenerateRequest, request: Request) -> Response:
     if body.stream:
-        return await _stream(_state(request), body, _tenant(request))
-    return JSONResponse([await _generate(_state(request), body, _tenant(request))])
+        return await _stream(_state(request), body, request)
+    return JSONResponse([await _generate(_state(request), body, request)])
 
 
 @router.get("/info")

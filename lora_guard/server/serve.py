@@ -10,6 +10,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -17,6 +18,7 @@ import uvicorn
 from lora_guard.engine.async_engine import AsyncEngine
 from lora_guard.engine.llm_engine import LLMEngine
 from lora_guard.server.app import create_app
+from lora_guard.server.auth import KeyRing
 from lora_guard.server.state import Limits, ServerState
 
 GRACE_S = 30
@@ -54,12 +56,20 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def serve(engine: LLMEngine, host: str, port: int, settings: dict[str, Any]) -> int:
+def serve(
+    engine: LLMEngine,
+    host: str,
+    port: int,
+    settings: dict[str, Any],
+    keys: KeyRing | None = None,
+    adapter_dirs: list[Path] | None = None,
+) -> int:
     from lora_guard.metrics import metrics_of
 
     state = ServerState(
-        AsyncEngine(engine), limits_for(engine, settings), metrics=metrics_of(engine.hooks.pm)
-    )
+        AsyncEngine(engine), limits_for(engine, settings), metrics=metrics_of(engine.hooks.pm),
+        keys=keys, adapter_dirs=list(adapter_dirs or []),
+    )  # fmt: skip
     app = create_app(state)
     config = uvicorn.Config(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=GRACE_S

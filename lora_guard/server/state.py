@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from lora_guard.engine.async_engine import AsyncEngine, EngineDeadError
@@ -38,7 +39,8 @@ class ServerState:
     in_flight: int = 0
     metrics: Any = None
     ready: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
+    keys: Any = None  # a KeyRing when --api-key-file is set
+    adapter_dirs: list[Path] = field(default_factory=list)
 
     @property
     def llm(self) -> Any:

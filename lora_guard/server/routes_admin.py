@@ -1,0 +1,165 @@
+"""Adapter administration: list, load and unload at run time (vLLM's request shapes), pin and
+unpin. With an API-key file, only admin keys may call these."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, ConfigDict
+
+from lora_guard.engine.llm_engine import LLMEngine
+from lora_guard.engine.lora import AdapterError, read_adapter
+from lora_guard.server.errors import APIError, not_found, validation
+from lora_guard.server.routes_tgi import _state
+from lora_guard.server.state import ADAPTER_ID, ServerState
+
+router = APIRouter(prefix="/v1")
+
+
+class LoadAdapter(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str
+    lora_path: str | None = None
+
+
+class UnloadAdapter(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str
+
+
+def _admin(request: Request) -> ServerState:
+    state = _state(request)
+    key = getattr(request.state, "api_key", None)
+    if state.keys is not None and (key is None or not key.admin):
+        raise APIError(403, "adapter administration needs an admin API key", "forbidden")
+    return state
+
+
+def _name(name: str) -> str:
+    if not ADAPTER_ID.fullmatch(name) or name in (".", ".."):
+        raise validation(f"invalid adapter id {name!r}: use letters, digits, '-', '_' and '.'")
+    return name
+
+
+def _inside_adapter_dirs(state: ServerState, name: str, path: str | None) -> Path:
+    """The adapter's folder, resolved, and only if it lies inside a configured adapter directory
+    (no `..`, no absolute path elsewhere, no symlink leading out)."""
+    roots = [d.expanduser().resolve() for d in state.adapter_dirs]
+    if not roots:
+        raise APIError(403, "no adapter directory is configured: start with --adapter-dir",
+                       "forbidden")  # fmt: skip
+    candidates = [Path(path).expanduser()] if path else [root / name for root in roots]
+    for candidate in candidates:
+        resolved = (candidate if candidate.is_absolute() else roots[0] / candidate).resolve()
+        if any(resolved.is_relative_to(root) for root in roots):
+            if resolved.is_dir():
+                return resolved
+            raise not_found(f"no adapter folder at {candidate}")
+    raise APIError(403, "lora_path must lie inside the configured adapter directories",
+                   "forbidden")  # fmt: skip
+
+
+@router.get("/adapters")
+async def list_adapters(request: Request) -> list[dict[str, Any]]:
+    state = _admin(request)
+
+    def snapshot(engine: LLMEngine) -> list[dict[str, Any]]:
+        adapters = engine.adapters
+        view = engine.scheduler.state(fresh=True)
+        hot_set = engine.hooks.pm.get_plugin("hot-set")
+        pinned = set(getattr(hot_set, "pinned", ()))
+        rows = []
+        for adapter_id, path in sorted(adapters.registry.items()):
+            tier = adapters.tier(adapter_id).value
+            host = adapters.host.entries.get(adapter_id)
+            rows.append({
+                "id": adapter_id,
+                "tier": {"hot": "device", "warm": "host", "cold": "disk"}.get(tier, tier),
+                "pinned": adapter_id in pinned,
+                "rank": host.rank if host else _config_rank(path),
+                "bytes": host.nbytes if host else _weights_bytes(path),
+                "heat": view.heat.get(adapter_id, 0),
+            })  # fmt: skip
+        return rows
+
+    rows: list[dict[str, Any]] = await state.engine.call(snapshot)
+    return rows
+
+
+def _config_rank(path: Path) -> int | None:
+    try:
+        return int(json.loads((path / "adapter_config.json").read_text())["r"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _weights_bytes(path: Path) -> int | None:
+    try:
+        return (path / "adapter_model.safetensors").stat().st_size
+    except OSError:
+        return None
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(body: LoadAdapter, request: Request) -> PlainTextResponse:
+    state = _admin(request)
+    name = _name(body.lora_name)
+    folder = _inside_adapter_dirs(state, name, body.lora_path)
+    spec, max_rank = state.llm.model.spec, state.llm.config.max_lora_rank
+    try:
+        await asyncio.to_thread(read_adapter, name, folder, spec, max_rank)  # refuse it now
+    except AdapterError as exc:
+        raise validation(str(exc)) from None
+    await state.engine.call(lambda engine: engine.adapters.register(name, folder))
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadAdapter, request: Request) -> PlainTextResponse:
+    state = _admin(request)
+    name = _name(body.lora_name)
+    if not state.llm.adapters.knows(name):
+        raise not_found(f"adapter {name!r} is not known")
+    await state.engine.call(lambda engine: engine.adapters.unregister(name))
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+@router.post("/adapters/{adapter_id}/pin")
+async def pin(adapter_id: str, request: Request) -> dict[str, Any]:
+    return await _pinning(request, adapter_id, pin=True)
+
+
+@router.post("/adapters/{adapter_id}/unpin")
+async def unpin(adapter_id: str, request: Request) -> dict[str, Any]:
+    return await _pinning(request, adapter_id, pin=False)
+
+
+async def _pinning(request: Request, adapter_id: str, *, pin: bool) -> dict[str, Any]:
+    state = _admin(request)
+    name = _name(adapter_id)
+    if not state.llm.adapters.knows(name):
+        raise not_found(f"adapter {name!r} is not known")
+
+    def change(engine: LLMEngine) -> list[str]:
+        policy = engine.hooks.pm.get_plugin("hot-set")
+        if policy is None:
+            raise ValueError("pinning needs the hot-set policy")
+        if pin:
+            policy.pin(name, engine.config.max_loras)
+        else:
+            policy.unpin(name)
+        metrics = engine.hooks.pm.get_plugin("metrics")
+        if metrics is not None:
+            metrics.set_pinned(policy.pinned)
+        return list(policy.pinned)
+
+    try:
+        pinned = await state.engine.call(change)
+    except ValueError as exc:
+        raise validation(str(exc)) from None
+    return {"pinned": pinned}
