@@ -19,7 +19,9 @@ DESIGN_METRICS = [
     "lora_guard_cold_load_fail_ratio", "lora_guard_cold_loads", "lora_guard_kv_namespace_conflict",
     "lora_guard_prefix_cache_hit_tokens", "lora_guard_adapter_resident",
     "lora_guard_memory_watermark", "vllm:lora_requests_info", "vllm:num_requests_running",
-    "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "tgi_request_count",
+    "tgi_request_success", "tgi_request_duration", "tgi_request_input_length",
+    "tgi_request_generated_tokens", "tgi_queue_size", "tgi_batch_current_size",
 ]  # fmt: skip
 
 

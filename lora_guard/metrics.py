@@ -28,7 +28,7 @@ from prometheus_client import (
 
 from lora_guard.plugins import hookimpl
 from lora_guard.plugins.options import OptionRegistry
-from lora_guard.plugins.state import EngineState
+from lora_guard.plugins.state import EngineState, RequestView
 
 PLUGIN_NAME = "metrics"
 DEFAULT_WINDOW_S = 60.0
@@ -166,6 +166,35 @@ class MetricsPlugin:
             "KV-cache usage. 1 means 100 percent usage.",
             registry=reg,
         )
+        # TGI's names, for existing dashboards. TGI's counters carry no _total suffix, which
+        # prometheus_client adds to every Counter; these are gauges that only ever go up.
+        self.tgi_request_count = Gauge(
+            "tgi_request_count", "Requests finished (a counter).", registry=reg
+        )
+        self.tgi_request_success = Gauge(
+            "tgi_request_success", "Requests that ended with generated text (a counter).",
+            registry=reg,
+        )  # fmt: skip
+        self.tgi_request_failure = Gauge(
+            "tgi_request_failure", "Requests that failed, by reason (a counter).", ["err"],
+            registry=reg,
+        )  # fmt: skip
+        self.tgi_request_duration = Histogram(
+            "tgi_request_duration", "Seconds from arrival to the end of the request.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=reg,
+        )  # fmt: skip
+        self.tgi_request_input_length = Histogram(
+            "tgi_request_input_length", "Prompt tokens per request.",
+            buckets=(16, 64, 256, 1024, 4096, 16384), registry=reg,
+        )  # fmt: skip
+        self.tgi_request_generated_tokens = Histogram(
+            "tgi_request_generated_tokens", "Generated tokens per request.",
+            buckets=(1, 16, 64, 256, 1024, 4096), registry=reg,
+        )  # fmt: skip
+        self.tgi_queue_size = Gauge("tgi_queue_size", "Requests waiting.", registry=reg)
+        self.tgi_batch_current_size = Gauge(
+            "tgi_batch_current_size", "Requests in the running batch.", registry=reg
+        )
         # Show every labelled series from the start, at zero.
         for result in LOOKUP_RESULTS:
             self.adapter_lookups.labels(result=result)
@@ -222,10 +251,21 @@ class MetricsPlugin:
         self.cold_window.add(True)
 
     @hookimpl
-    def lora_guard_request_finished(self, retry_after: float | None) -> None:
+    def lora_guard_request_finished(
+        self, request: RequestView, finish_reason: str, retry_after: float | None
+    ) -> None:
         if retry_after is not None:
             self.cold_loads.labels(outcome="rejected").inc()
             self.cold_window.add(True)
+        self.tgi_request_count.inc()
+        if finish_reason in ("error", "abort"):
+            reason = "overloaded" if retry_after is not None else finish_reason
+            self.tgi_request_failure.labels(err=reason).inc()
+        else:
+            self.tgi_request_success.inc()
+        self.tgi_request_duration.observe(max(time.monotonic() - request.arrival_time, 0.0))
+        self.tgi_request_input_length.observe(request.num_prompt_tokens)
+        self.tgi_request_generated_tokens.observe(request.num_output_tokens)
 
     @hookimpl
     def lora_guard_step_finished(
@@ -241,6 +281,8 @@ class MetricsPlugin:
         self.vllm_kv_cache_usage_perc.set(state.memory_watermark)
         self.vllm_num_requests_running.set(state.num_running)
         self.vllm_num_requests_waiting.set(state.num_waiting)
+        self.tgi_queue_size.set(state.num_waiting)
+        self.tgi_batch_current_size.set(state.num_running)
         self._update_resident(state)
         self._update_lora_info(state)
 
