@@ -3,6 +3,7 @@ time. Not thread-safe: one thread drives it (``LLM`` directly, ``AsyncEngine`` f
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from lora_guard.engine.sequence import FinishReason, Sequence
 from lora_guard.plugins.manager import Hooks, make_plugin_manager
 
 MIN_KV_BLOCKS = 4
+log = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
@@ -242,18 +244,19 @@ class LLMEngine:
         self.blocks.pending_copies.clear()
         try:
             result = self.runner.run(plan.scheduled)
+            tokens, logprobs = sample(
+                result.logits,
+                [SamplerInput(s.params, s.generator, s.token_ids) for s in result.sampled],
+            )
         except Exception as exc:
-            # A failed forward fails the requests in it, never the engine.
+            # A failed forward or sampler fails the requests in its step, never the engine.
+            log.exception("step failed; failing its %d requests", len(plan.scheduled))
             for item in plan.scheduled:
                 outputs.append(self._fail(item.seq, f"generation failed: {exc}"))
             return outputs
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.blocks.commit(item.seq)
-        tokens, logprobs = sample(
-            result.logits,
-            [SamplerInput(s.params, s.generator, s.token_ids) for s in result.sampled],
-        )
         now = time.monotonic()
         for seq, token, logprob in zip(result.sampled, tokens, logprobs, strict=True):
             if seq.first_token_time is None:

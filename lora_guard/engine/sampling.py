@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# A temperature this small is greedy decoding; dividing by it would overflow the logits.
+GREEDY_BELOW = 1e-5
+
 
 class InvalidParams(ValueError):
     """A sampling parameter is out of range; the message uses TGI's wording."""
@@ -93,7 +96,7 @@ def _sample_row(logits: torch.Tensor, inp: SamplerInput) -> tuple[int, float]:
         logits[seen] = torch.where(
             scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty
         )
-    if not p.sampling:
+    if not p.sampling or (p.temperature is not None and p.temperature < GREEDY_BELOW):
         token = int(logits.argmax())
         return token, float(torch.log_softmax(logits, dim=-1)[token])
     if p.temperature is not None and p.temperature != 1.0:

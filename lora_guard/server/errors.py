@@ -7,6 +7,7 @@ import math
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 
 class APIError(Exception):
@@ -53,6 +54,14 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+        # A body that is not JSON at all: a validation error, in TGI's shape.
+        status = 422 if exc.status_code == 400 else exc.status_code
+        error_type = "validation" if status == 422 else "http"
+        body = {"error": str(exc.detail), "error_type": error_type}
+        return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -126,7 +126,7 @@ async def _stream(state: ServerState, body: GenerateRequest, request: Request) -
             while True:
                 for token in _tokens(state, out, sent):
                     index += 1
-                    event: dict[str, Any] = {"index": index, "token": token, "top_tokens": None,
+                    event: dict[str, Any] = {"index": index, "token": token, "top_tokens": [],
                                              "generated_text": None, "details": None}  # fmt: skip
                     if out.finished and index == len(out.token_ids):
                         text = out.text

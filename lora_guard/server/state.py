@@ -68,6 +68,10 @@ class ServerState:
         return adapter_id
 
     def encode(self, text: str) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise validation("`inputs` is not valid UTF-8 text (lone surrogate)") from None
         ids = self.llm.encode(text)
         if not ids:
             raise validation("`inputs` must not be empty")
