@@ -66,4 +66,3 @@ def test_spent_cold_budget_answers_429_with_retry_after(
         assert httpx.post(busy.url + "/generate", json=body, timeout=60).status_code == 200
     finally:
         assert busy.stop() == 0
-

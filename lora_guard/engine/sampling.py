@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,10 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise InvalidParams(f"`{name}` must be a finite number")
         if self.max_new_tokens < 1:
             raise InvalidParams("`max_new_tokens` must be strictly positive")
         if self.temperature is not None and self.temperature <= 0:
@@ -44,8 +49,8 @@ class SamplingParams:
             raise InvalidParams("`top_p` must be > 0.0 and <= 1.0")
         if self.repetition_penalty is not None and self.repetition_penalty <= 0:
             raise InvalidParams("`repetition_penalty` must be strictly positive")
-        if self.seed is not None and self.seed < 0:
-            raise InvalidParams("`seed` must be a non-negative integer")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidParams("`seed` must be a non-negative 64-bit integer")
         if any(not s for s in self.stop):
             raise InvalidParams("`stop` sequences must not be empty")
 

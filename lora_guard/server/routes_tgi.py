@@ -49,7 +49,7 @@ def _unsupported(p: GenerateParameters) -> None:
         raise validation("`top_n_tokens` is not supported")
     if p.grammar is not None:
         raise validation("`grammar` is not supported")
-    if p.typical_p is not None and p.typical_p < 1:
+    if p.typical_p is not None and not p.typical_p >= 1:  # NaN included
         raise validation("`typical_p` is not supported")
     if p.frequency_penalty:
         raise validation("`frequency_penalty` is not supported")

@@ -304,7 +304,10 @@ def test_stop_sequence_never_seen_runs_to_length(llm: LLM) -> None:
         ({"max_new_tokens": 0}, "`max_new_tokens` must be strictly positive"),
         ({"max_new_tokens": -4}, "`max_new_tokens` must be strictly positive"),
         ({"stop": ["ok", ""]}, "`stop` sequences must not be empty"),
-        ({"seed": -1}, "`seed` must be a non-negative integer"),
+        ({"seed": -1}, "`seed` must be a non-negative 64-bit integer"),
+        ({"seed": 2**70}, "`seed` must be a non-negative 64-bit integer"),
+        ({"temperature": float("nan")}, "`temperature` must be a finite number"),
+        ({"repetition_penalty": float("inf")}, "`repetition_penalty` must be a finite number"),
     ],
 )
 def test_invalid_params_are_refused_with_tgi_messages(
