@@ -289,7 +289,10 @@ def answer_problems(contract: Contract, route: str, r: httpx.Response) -> list[P
 def contract() -> Contract:
     path = _contract_path()
     if path is None:
-        pytest.skip("contracts/tgi-openapi.json not found; set TGI_OPENAPI_CONTRACT")
+        pytest.fail(
+            "TGI's contract (shared/contracts/tgi-openapi.json beside the repository) was not "
+            "found; set TGI_OPENAPI_CONTRACT to its path"
+        )
     return Contract(json.loads(path.read_text()))
 
 
