@@ -57,8 +57,13 @@ class _Stream:
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        """Hand ``item`` to the caller's event loop; False if that loop has closed."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
 
 
 class AsyncEngine:
@@ -149,10 +154,14 @@ class AsyncEngine:
                 outputs = self.engine.step()
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        stream.put(out)
-                        if out.finished:
-                            del self._streams[out.request_id]
+                    if stream is None:
+                        continue
+                    if not stream.put(out):
+                        # Nobody can read it any more (its event loop closed): stop the request.
+                        del self._streams[out.request_id]
+                        self.engine.abort(out.request_id)
+                    elif out.finished:
+                        del self._streams[out.request_id]
                 if not outputs:
                     self._wake.wait(_LOAD_WAIT_S)
                     self._wake.clear()

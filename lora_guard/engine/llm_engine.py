@@ -273,6 +273,8 @@ class LLMEngine:
         return outputs
 
     def _step_finished(self, num_tokens: int, duration: float) -> None:
+        if not self.hooks.has("lora_guard_step_finished"):
+            return  # no observer: do not build the state view on the step loop
         self.hooks.notify(
             "lora_guard_step_finished",
             state=self.scheduler.state(fresh=True), num_tokens=num_tokens, duration_s=duration,

@@ -16,7 +16,7 @@ from lora_guard.engine.llm_engine import RequestOutput
 from lora_guard.server.errors import APIError, validation
 from lora_guard.server.protocol import ChatCompletionRequest, CompletionRequest
 from lora_guard.server.routes_tgi import _authorize, _state, _tenant
-from lora_guard.server.state import ServerState, first_then_rest
+from lora_guard.server.state import ServerState, final, first_then_rest
 
 router = APIRouter(prefix="/v1")
 FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
@@ -79,10 +79,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     outputs = state.generate(prompt, params, adapter, _tenant(request))
     if not body.stream:
-        last = None
-        async for out in outputs:
-            last = out
-        assert last is not None
+        last = await final(outputs)
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": model,
             "system_fingerprint": "lora-guard",
@@ -138,10 +135,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     outputs = state.generate(prompt, params, adapter, _tenant(request))
     prefix = prompts[0] if body.echo else ""
     if not body.stream:
-        last = None
-        async for out in outputs:
-            last = out
-        assert last is not None
+        last = await final(outputs)
         return JSONResponse({
             "id": cid, "object": "text_completion", "created": created, "model": model,
             "system_fingerprint": "lora-guard",

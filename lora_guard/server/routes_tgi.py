@@ -18,7 +18,7 @@ from lora_guard.server.protocol import (
     GenerateRequest,
     TokenizeRequest,
 )
-from lora_guard.server.state import ServerState, first_then_rest
+from lora_guard.server.state import ServerState, final, first_then_rest
 
 router = APIRouter()
 
@@ -102,10 +102,7 @@ def _details(state: ServerState, out: RequestOutput, seed: int | None) -> dict[s
 
 async def _generate(state: ServerState, body: GenerateRequest, request: Request) -> dict[str, Any]:
     prompt, params, adapter = _prepare(state, body, request)
-    last = None
-    async for out in state.generate(prompt, params, adapter, _tenant(request)):
-        last = out
-    assert last is not None
+    last = await final(state.generate(prompt, params, adapter, _tenant(request)))
     text = last.text
     if body.parameters.return_full_text:
         text = body.inputs + text

@@ -146,3 +146,12 @@ async def first_then_rest(
     """Wait for the first output (so errors before it still get a status code), then the rest."""
     first = await outputs.__anext__()
     return first, outputs
+
+
+async def final(outputs: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+    """The finished output of a request, for the routes that answer in one piece."""
+    last = None
+    async for out in outputs:
+        last = out
+    assert last is not None, "the engine ends every request with a finished output"
+    return last
