@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from lora_guard.adapter_maker import make_adapters
-from lora_guard.testing import ServerProcess, make_tiny_llama, start_server
+from lora_guard.testing import ServerProcess, engine_greedy, make_tiny_llama, start_server
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +30,52 @@ def server(
     running = start_server(model, adapters, "--cold-loads-per-minute", "100", log=log)
     yield running
     assert running.stop() == 0, log.read_text()
+
+
+def fault_plugin_env(hold_file: Path) -> dict[str, str]:
+    """The environment for a server started with ``--plugin faults:injector`` (faults.py)."""
+    here = str(Path(__file__).parent)
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "FAULTS_HOLD_FILE": str(hold_file)}
+
+
+@pytest.fixture(scope="session")
+def fault_env(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path], dict[str, str]]:
+    """``fault_env(hold_file)``: the environment that lets a server load the fault plugin."""
+    return fault_plugin_env
+
+
+CHECK_PROMPTS = ("The capital of France is", "A LoRA adapter changes the")
+CHECK_TOKENS = 8
+
+
+@pytest.fixture(scope="session")
+def expected(tiny: tuple[Path, Path]) -> dict[tuple[str, str | None], list[int]]:
+    """Greedy tokens (``CHECK_TOKENS`` of them) of the in-process engine for each check prompt
+    on the base model and on each ``tiny`` adapter: what every healthy server must answer."""
+    model, adapters = tiny
+    table = {p.name: p for p in sorted(adapters.iterdir()) if p.is_dir()}
+    keys = [(prompt, a) for prompt in CHECK_PROMPTS for a in (None, *table)]
+    return dict(zip(keys, engine_greedy(model, table, keys, CHECK_TOKENS), strict=True))
+
+
+@pytest.fixture(scope="session")
+def serves_correctly(
+    expected: dict[tuple[str, str | None], list[int]],
+) -> Callable[..., None]:
+    """``serves_correctly(url, adapters=None, headers=None)``: assert that every check prompt on
+    every adapter (or on ``adapters``) answers 200 with the in-process engine's tokens."""
+
+    def check(
+        url: str, adapters: list[str | None] | None = None, headers: dict[str, str] | None = None
+    ) -> None:
+        for (prompt, adapter), tokens in expected.items():
+            if adapters is not None and adapter not in adapters:
+                continue
+            parameters = {"max_new_tokens": CHECK_TOKENS, "adapter_id": adapter}
+            body = {"inputs": prompt, "parameters": parameters}
+            r = httpx.post(url + "/generate", json=body, headers=headers or {}, timeout=60)
+            assert r.status_code == 200, (adapter, r.text)
+            assert [t["id"] for t in r.json()["details"]["tokens"]] == tokens, (prompt, adapter)
+
+    return check

@@ -158,8 +158,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(model: Path, adapter_dir: Path, *args: str, log: Path) -> ServerProcess:
-    """Start ``lora-guard serve`` on a free loopback port and wait until ``/health`` is 200."""
+def start_server(
+    model: Path,
+    adapter_dir: Path,
+    *args: str,
+    log: Path,
+    env: dict[str, str] | None = None,
+) -> ServerProcess:
+    """Start ``lora-guard serve`` on a free loopback port and wait until ``/health`` is 200.
+
+    ``env`` adds to the environment of the server (``PYTHONPATH`` for a test plugin, say).
+    """
     import httpx
 
     port = free_port()
@@ -168,10 +177,10 @@ def start_server(model: Path, adapter_dir: Path, *args: str, log: Path) -> Serve
         "--adapter-dir", str(adapter_dir), "--host", "127.0.0.1", "--port", str(port),
         "--kv-cache-memory", "16MiB", "--block-size", "4", *args,
     ]  # fmt: skip
-    env = {**os.environ, "LORA_GUARD_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    environment = {**os.environ, "LORA_GUARD_DISABLE_PLUGIN_AUTOLOAD": "1", **(env or {})}
     with log.open("w") as handle:
         process = subprocess.Popen(
-            command, stdout=handle, stderr=subprocess.STDOUT, text=True, env=env
+            command, stdout=handle, stderr=subprocess.STDOUT, text=True, env=environment
         )
     server = ServerProcess(f"http://127.0.0.1:{port}", process)
     deadline = time.monotonic() + 120
@@ -186,3 +195,45 @@ def start_server(model: Path, adapter_dir: Path, *args: str, log: Path) -> Serve
         time.sleep(0.2)
     server.stop()
     raise RuntimeError(f"server did not become healthy:\n{log.read_text()}")
+
+
+def metric_samples(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """``GET /metrics`` as ``{family name: [(labels, value), ...]}``."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            found.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return found
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` (a sample name, ``_total`` included) with ``labels``."""
+    rows = metric_samples(url).get(name, [])
+    return sum(v for found, v in rows if all(found.get(k) == w for k, w in labels.items()))
+
+
+def engine_greedy(
+    model: Path,
+    adapters: dict[str, Path],
+    requests: list[tuple[str, str | None]],
+    max_new_tokens: int,
+) -> list[list[int]]:
+    """Greedy tokens of ``(prompt, adapter id)`` requests from an in-process ``lora_guard.LLM``
+    (float32, CPU): what a server on the same model and adapters must answer."""
+    from lora_guard import LLM, SamplingParams
+
+    table: dict[str, str | Path] = dict(adapters)
+    llm = LLM(model, adapters=table, max_loras=max(1, len(adapters)), device="cpu",
+              dtype="float32", kv_cache_memory="16MiB", block_size=4, policies="lru")  # fmt: skip
+    try:
+        outputs = llm.generate(
+            [prompt for prompt, _ in requests],
+            SamplingParams(max_new_tokens=max_new_tokens),
+            adapter_ids=[adapter for _, adapter in requests],
+        )
+        return [list(out.token_ids) for out in outputs]
+    finally:
+        llm.engine.shutdown()

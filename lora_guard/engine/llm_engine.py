@@ -253,6 +253,7 @@ class LLMEngine:
             log.exception("step failed; failing its %d requests", len(plan.scheduled))
             for item in plan.scheduled:
                 outputs.append(self._fail(item.seq, f"generation failed: {exc}"))
+            self._step_finished(0, time.perf_counter() - started)  # observers see blocks freed
             return outputs
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
