@@ -66,6 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="norm of each update relative to its base weight (default 0.1)",
     )
 
+    bench = commands.add_parser(
+        "bench",
+        help="replay a multi-adapter workload against each serving scheme and print the table",
+        description="Replay one seeded trace (or yours, --trace) against static, on-demand, lru, "
+        "lora-guard, lora-guard with KV namespaces observed only, and transformers + PEFT; print "
+        "memory, swap latency, tail tokens/s, TTFT, hit rate beside Belady, cold-load failures, "
+        "KV conflicts and outputs that differ from the oracle. See docs/benchmarks.md.",
+    )
+    _add_bench_arguments(bench)
+
     plugins = commands.add_parser(
         "plugins",
         help="list the plugins that would load, the hooks they implement and their settings",
@@ -85,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from lora_guard.bench.arguments import add_arguments
+
+    add_arguments(parser)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
@@ -97,6 +113,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _make_adapters(args)
         if args.command == "plugins":
             return _plugins(args)
+        if args.command == "bench":
+            from lora_guard.bench.run import run
+
+            return run(args, ["bench", *argv[1:]])
     except KeyboardInterrupt:
         return 130
     raise AssertionError(f"unhandled command {args.command}")

@@ -250,6 +250,10 @@ class LlamaModel:
             weight.copy_(original)
         self._pristine.clear()
 
+    def merge_copy_bytes(self) -> int:
+        """Bytes of the original weights a reversible merge keeps aside."""
+        return sum(t.numel() * t.element_size() for t in self._pristine.values())
+
     def weight_bytes(self) -> int:
         tensors = [self.embed, self.norm, *(t for layer in self.layers for t in layer.values())]
         if self.lm_head is not self.embed:

@@ -1,0 +1,49 @@
+"""The flags of ``lora-guard bench`` (kept light: the CLI builds its parser without torch)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from lora_guard.bench.workload import WorkloadSpec
+
+SCHEMES = ("static", "on-demand", "lru", "lora-guard", "lora-guard-observe", "peft")
+QUICK_SPEC = WorkloadSpec(
+    adapters=8, tenants=2, requests=32, rate=6.0, burst_every_s=2.0, burst_len_s=0.5,
+    system_prompt_words=24, user_words_mean=8, output_mean=12, output_min=4, output_max=32,
+)  # fmt: skip
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    spec = WorkloadSpec()
+    add = parser.add_argument
+    add("--model", type=Path, help="checkpoint folder (default: the demo model)")
+    add("--adapter-dir", type=Path, help="folder of adapters (default: the demo adapters)")
+    add("--trace", type=Path, help="replay this JSONL trace instead of generating one")
+    add("--write-trace", type=Path, metavar="FILE", help="save the trace replayed here")
+    add("--schemes", default=",".join(SCHEMES), help="comma-separated, from: " + ", ".join(SCHEMES))
+    add("--adapters", type=int, default=spec.adapters, help="adapters in the generated trace")
+    add("--tenants", type=int, default=spec.tenants)
+    add("--requests", type=int, default=spec.requests)
+    add("--rate", type=float, default=spec.rate, help="mean arrivals per second outside bursts")
+    add("--zipf", type=float, default=spec.zipf, help="Zipf exponent of adapter popularity")
+    add("--output-mean", type=float, default=spec.output_mean, help="mean max_new_tokens")
+    add("--seed", type=int, default=spec.seed)
+    add("--max-loras", type=int, default=8, help="device slots")
+    add("--max-lora-rank", type=int, default=64)
+    add("--kv-cache-memory", default="768MiB")
+    add(
+        "--cold-loads-per-minute",
+        type=int,
+        default=None,
+        help="lora-guard's cold-load budget (default: the number of adapters in the trace)",
+    )
+    add("--dtype", default="float32")
+    add("--device", default="cpu")
+    add(
+        "--quick",
+        action="store_true",
+        help="a tiny random model and a short trace (a smoke run, about a minute)",
+    )
+    add("--json", type=Path, metavar="FILE", help="write the report as JSON")
+    add("--plots", type=Path, metavar="DIR", help="write PNG plots (needs matplotlib)")

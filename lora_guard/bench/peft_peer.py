@@ -1,0 +1,116 @@
+"""The peer a team would reach for first: transformers + PEFT, every adapter loaded, and the
+requests that have arrived run as one mixed-adapter ``generate`` call (``adapter_names``); the next
+batch starts when that call returns. Replayed in real time like the engine schemes."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from lora_guard.bench.replay import EngineOptions, RequestRecord, SchemeRun, peak_rss_now
+from lora_guard.bench.workload import TraceRequest
+
+MAX_BATCH = 32
+_BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
+
+
+class _FirstToken:
+    """A ``generate`` streamer that notes when the first new tokens come out."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2:  # the first call carries the prompt
+            self.first = time.monotonic()
+
+    def end(self) -> None:
+        pass
+
+
+def replay_peft(trace: list[TraceRequest], options: EngineOptions) -> SchemeRun:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = getattr(torch, options.dtype)
+    device = torch.device(options.device)
+    tokenizer = AutoTokenizer.from_pretrained(options.model)
+    base = AutoModelForCausalLM.from_pretrained(options.model, dtype=dtype).to(device)
+    adapters = sorted({r.adapter_id for r in trace if r.adapter_id is not None})
+    base_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    model: Any = base
+    for i, name in enumerate(adapters):
+        path = f"{options.adapter_dir}/{name}"
+        if i == 0:
+            model = PeftModel.from_pretrained(base, path, adapter_name=name)
+        else:
+            model.load_adapter(path, adapter_name=name)
+    model.eval()
+    lora_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - base_bytes
+    config = base.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
+    kv_per_token *= torch.tensor([], dtype=dtype).element_size()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    records = {r.id: RequestRecord(r.id, r.adapter_id, r.time) for r in trace}
+    queue = list(trace)
+    peak_kv = 0
+    start = time.monotonic()
+    while queue:
+        now = time.monotonic() - start
+        if queue[0].time > now:
+            time.sleep(min(queue[0].time - now, 0.05))
+            continue
+        batch = [r for r in queue if r.time <= now][:MAX_BATCH]
+        queue = [r for r in queue if r not in batch]
+        prompts = [_encode(tokenizer, r.prompt) for r in batch]
+        width = max(len(p) for p in prompts)
+        new = max(r.max_new_tokens for r in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        peak_kv = max(peak_kv, len(batch) * (width + new) * kv_per_token)
+        clock = _FirstToken()
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                do_sample=False, eos_token_id=None, pad_token_id=pad, streamer=clock,
+                adapter_names=[r.adapter_id or _BASE for r in batch],
+            )  # fmt: skip
+        done = time.monotonic() - start
+        first = (clock.first - start) if clock.first is not None else done
+        for i, request in enumerate(batch):
+            record = records[request.id]
+            record.tokens = out[i, width : width + request.max_new_tokens].tolist()
+            record.first_token, record.finish = first, done
+    duration = time.monotonic() - start
+    return SchemeRun(
+        scheme="peft",
+        records=list(records.values()),
+        swap_ms=[],
+        lookups=[(r.time, True) for r in trace if r.adapter_id is not None],
+        slots=len(adapters),
+        kv_conflicts=0,
+        cold_loads={"loaded": len(adapters), "rejected": 0, "failed": 0},
+        memory={
+            "weights": base_bytes,
+            "adapter_slots": lora_bytes,
+            "kv_pool": peak_kv,
+            "merge_copies": 0,
+            "merge_transient": 0,
+            "total": base_bytes + lora_bytes + peak_kv,
+        },
+        peak_rss=peak_rss_now(),
+        duration_s=duration,
+        served=[r.adapter_id for r in trace],
+    )
+
+
+def _encode(tokenizer: Any, prompt: str) -> list[int]:
+    # As the engine encodes a text prompt (no second BOS on a templated prompt).
+    bos = tokenizer.bos_token
+    return list(tokenizer.encode(prompt, add_special_tokens=not (bos and prompt.startswith(bos))))

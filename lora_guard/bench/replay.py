@@ -1,0 +1,254 @@
+"""Replay a trace on the engine in this process, for one scheme, in real time.
+
+Requests are added when their trace time comes. A request a policy turns away with a retry-after
+is sent again once that time has passed, as a client would after a 429; every request ends in
+tokens or an error, and the record says how many retries it took.
+"""
+
+from __future__ import annotations
+
+import heapq
+import resource
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from lora_guard.bench.workload import TraceRequest
+from lora_guard.engine import LLM, SamplingParams
+from lora_guard.engine.llm_engine import LLMEngine, RequestError
+from lora_guard.plugins import hookimpl
+from lora_guard.plugins.state import RequestView
+
+_IDLE_WAIT_S = 0.001
+
+
+@dataclass
+class RequestRecord:
+    """What a client saw of one request. Times are seconds from the start of the replay."""
+
+    id: str
+    adapter_id: str | None
+    arrival: float
+    first_token: float | None = None
+    finish: float | None = None
+    tokens: list[int] = field(default_factory=list)
+    retries: int = 0
+    error: str | None = None
+
+
+@dataclass
+class SchemeRun:
+    """One scheme's replay: per-request records and what the engine counted."""
+
+    scheme: str
+    records: list[RequestRecord]
+    swap_ms: list[float]
+    lookups: list[tuple[float, bool]]  # (time, hit in a device slot) per adapter lookup
+    slots: int
+    kv_conflicts: int
+    cold_loads: dict[str, int]  # loaded, rejected, failed
+    memory: dict[str, int]  # bytes, the engine's own accounting
+    peak_rss: int  # bytes, this process
+    duration_s: float
+    served: list[str | None]  # adapter of each request as served, in arrival order
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    model: str
+    adapter_dir: str
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    kv_cache_memory: str = "768MiB"
+    max_num_seqs: int = 64
+    cold_loads_per_minute: int = 24
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+def scheme_llm(scheme: str, options: EngineOptions, static_adapter: str | None) -> LLM:
+    """The engine a scheme stands for, with the same model, adapters and KV pool for all."""
+    common: dict[str, Any] = dict(
+        adapter_dir=options.adapter_dir,
+        max_lora_rank=options.max_lora_rank,
+        kv_cache_memory=options.kv_cache_memory,
+        max_num_seqs=options.max_num_seqs,
+        dtype=options.dtype,
+        device=options.device,
+        disabled_plugins=(),
+    )
+    guard = {"cold_loads_per_minute": options.cold_loads_per_minute}
+    if scheme == "static":
+        return LLM(options.model, **common, policies="static",
+                   settings={"static_adapter": static_adapter})  # fmt: skip
+    if scheme == "on-demand":
+        # The naive scheme: one adapter merged at a time, read from disk at each switch.
+        return LLM(options.model, **common, policies="on-demand", max_loras=1, max_cpu_loras=1)
+    if scheme == "lru":
+        return LLM(options.model, **common, policies="lru", max_loras=options.max_loras)
+    if scheme == "lora-guard":
+        return LLM(options.model, **common, max_loras=options.max_loras, settings=guard)
+    if scheme == "lora-guard-observe":
+        return LLM(options.model, **common, max_loras=options.max_loras,
+                   settings={**guard, "kv_namespace_mode": "observe"})  # fmt: skip
+    raise ValueError(f"unknown engine scheme {scheme!r}")
+
+
+class LookupRecorder:
+    """Observes adapter lookups: one per request, hot or not, with its time."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.lookups: list[tuple[float, bool]] = []
+
+    @hookimpl
+    def lora_guard_adapter_lookup(self, request: RequestView, result: str) -> None:
+        self.lookups.append((time.monotonic() - self.start, result == "hot"))
+
+
+def replay_scheme(
+    scheme: str,
+    trace: list[TraceRequest],
+    options: EngineOptions,
+    static_adapter: str | None = None,
+) -> SchemeRun:
+    """Build the scheme's engine and replay ``trace`` on it in real time."""
+    llm = scheme_llm(scheme, options, static_adapter)
+    engine = llm.engine
+    if scheme == "static":
+        trace = [_served_by(r, static_adapter) for r in trace]
+    start = time.monotonic()
+    recorder = LookupRecorder(start)
+    engine.hooks.pm.register(recorder, name="bench-lookups")
+    memory = MemoryWatch(engine)
+    records = _replay(engine, trace, start, memory)
+    duration = time.monotonic() - start
+    engine.check_no_leaks()
+    metrics = _cold_load_counts(engine)
+    run = SchemeRun(
+        scheme=scheme,
+        records=records,
+        swap_ms=list(engine.adapters.stats.swap_ms),
+        lookups=recorder.lookups,
+        slots=1 if engine.adapters.merged_mode else engine.config.max_loras,
+        kv_conflicts=engine.blocks.stats.conflicts,
+        cold_loads=metrics,
+        memory=memory.peak(),
+        peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        duration_s=duration,
+        served=[r.adapter_id for r in trace],
+    )
+    engine.shutdown()
+    return run
+
+
+def _served_by(request: TraceRequest, adapter: str | None) -> TraceRequest:
+    return replace(request, adapter_id=adapter)
+
+
+def _replay(
+    engine: LLMEngine, trace: list[TraceRequest], start: float, memory: MemoryWatch
+) -> list[RequestRecord]:
+    records = {r.id: RequestRecord(r.id, r.adapter_id, r.time) for r in trace}
+    by_id = {r.id: r for r in trace}
+    due: list[tuple[float, int, str]] = [(r.time, i, r.id) for i, r in enumerate(trace)]
+    heapq.heapify(due)
+    attempt_of: dict[str, str] = {}  # engine request id -> trace id
+    open_requests = len(trace)
+    tiebreak = len(trace)
+    while open_requests:
+        now = time.monotonic() - start
+        while due and due[0][0] <= now:
+            _, _, trace_id = heapq.heappop(due)
+            request, record = by_id[trace_id], records[trace_id]
+            attempt = f"{trace_id}#{record.retries}"
+            params = SamplingParams(max_new_tokens=request.max_new_tokens, ignore_eos=True)
+            try:
+                engine.add_request(attempt, request.prompt, params, request.adapter_id,
+                                   tenant_id=request.tenant)  # fmt: skip
+            except RequestError as exc:
+                record.error, record.finish = str(exc), now
+                open_requests -= 1
+                continue
+            attempt_of[attempt] = trace_id
+        if not engine.has_unfinished_requests():
+            wait = (due[0][0] - now) if due else _IDLE_WAIT_S
+            time.sleep(min(max(wait, 0.0), 0.05))
+            continue
+        outputs = engine.step()
+        memory.sample()
+        now = time.monotonic() - start
+        for out in outputs:
+            record = records[attempt_of[out.request_id]]
+            if out.token_ids and record.first_token is None:
+                record.first_token = now
+            if not out.finished:
+                continue
+            del attempt_of[out.request_id]
+            if out.error is not None and out.retry_after is not None:
+                record.retries += 1
+                tiebreak += 1
+                heapq.heappush(due, (now + out.retry_after, tiebreak, record.id))
+                continue
+            record.finish, record.tokens, record.error = now, list(out.token_ids), out.error
+            open_requests -= 1
+        if not outputs:
+            time.sleep(_IDLE_WAIT_S)  # waiting for an adapter read
+    return list(records.values())
+
+
+class MemoryWatch:
+    """The engine's memory by its own accounting: weights, adapter slots, the KV pool, and the
+    copies a merge keeps or makes (the largest seen)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        model = engine.model
+        self.fixed = {
+            "weights": model.weight_bytes(),
+            "adapter_slots": engine.slot_pool.nbytes(),
+            "kv_pool": sum(t.numel() * t.element_size() for t in (engine.kv_cache.k,
+                                                                   engine.kv_cache.v)),
+        }  # fmt: skip
+        self.merge_copies = 0
+        self.merge_delta = 0
+        if engine.adapters.merged_mode:
+            # Merging adds B @ A one module at a time: one delta of the largest projection.
+            self.merge_delta = max(
+                t.numel() * 4 for layer in model.layers for t in layer.values() if t is not None
+            )
+        self.sample()
+
+    def sample(self) -> None:
+        self.merge_copies = max(self.merge_copies, self.engine.model.merge_copy_bytes())
+
+    def peak(self) -> dict[str, int]:
+        parts = {**self.fixed, "merge_copies": self.merge_copies,
+                 "merge_transient": self.merge_delta}  # fmt: skip
+        return {**parts, "total": sum(parts.values())}
+
+
+def _cold_load_counts(engine: LLMEngine) -> dict[str, int]:
+    from lora_guard.metrics import metrics_of
+
+    plugin = metrics_of(engine.hooks.pm)
+    if plugin is None:
+        return {"loaded": 0, "rejected": 0, "failed": 0}
+    counts = {}
+    for outcome in ("loaded", "rejected", "failed"):
+        value = plugin.registry.get_sample_value(
+            "lora_guard_cold_loads_total", {"outcome": outcome}
+        )
+        counts[outcome] = int(value or 0)
+    return counts
+
+
+def peak_rss_now() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def adapter_ids(adapter_dir: str | Path) -> list[str]:
+    """Adapter ids in a folder of adapters: subfolders with an adapter_config.json, sorted."""
+    folder = Path(adapter_dir)
+    return sorted(p.name for p in folder.iterdir() if (p / "adapter_config.json").is_file())

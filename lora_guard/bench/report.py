@@ -1,0 +1,126 @@
+"""From scheme runs to the report: one summary per scheme, a Markdown table, JSON."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from lora_guard.bench.hit_rate import belady_hit_rate
+from lora_guard.bench.replay import RequestRecord, SchemeRun
+
+MIB = 2**20
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100), interpolated between ranks; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def request_tokens_per_s(record: RequestRecord) -> float | None:
+    """Generated tokens over the time from arrival (trace time) to the last token."""
+    if record.finish is None or record.error is not None or not record.tokens:
+        return None
+    return len(record.tokens) / max(record.finish - record.arrival, 1e-9)
+
+
+def summarize(run: SchemeRun, mismatches: int, static: SchemeRun | None = None) -> dict[str, Any]:
+    """The report's figures for one scheme (keys are the stable JSON names)."""
+    done = [r for r in run.records if r.finish is not None and r.error is None]
+    speeds = [s for r in done if (s := request_tokens_per_s(r)) is not None]
+    ttft = [(r.first_token - r.arrival) * 1000 for r in done if r.first_token is not None]
+    tokens = sum(len(r.tokens) for r in done)
+    span = max((r.finish for r in done if r.finish is not None), default=0.0) - min(
+        (r.arrival for r in run.records), default=0.0
+    )
+    cold = run.cold_loads
+    attempts = cold["loaded"] + cold["rejected"] + cold["failed"]
+    served = [a for a in run.served if a is not None]
+    hits = sum(hit for _, hit in run.lookups)
+    return {
+        "requests": len(run.records),
+        "completed": len(done),
+        "failed": sum(r.error is not None for r in run.records),
+        "retries": sum(r.retries for r in run.records),
+        "peak_memory_mib": run.memory["total"] / MIB,
+        "peak_memory_ratio": _ratio(run.memory["total"], static.memory["total"] if static else 0),
+        "peak_rss_mib": run.peak_rss / MIB,
+        "peak_rss_ratio": _ratio(run.peak_rss, static.peak_rss if static else 0),
+        "memory_mib": {k: v / MIB for k, v in run.memory.items()},
+        "swaps": len(run.swap_ms),
+        "swap_ms_p50": percentile(run.swap_ms, 50),
+        "swap_ms_p95": percentile(run.swap_ms, 95),
+        "tail_tokens_per_s": percentile(speeds, 5),
+        "median_tokens_per_s": percentile(speeds, 50),
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p95_ms": percentile(ttft, 95),
+        "tokens_per_s": tokens / span if span > 0 else None,
+        "generated_tokens": tokens,
+        "hit_rate": hits / len(run.lookups) if run.lookups else None,
+        "belady_hit_rate": belady_hit_rate(served, run.slots) if served else None,
+        "slots": run.slots,
+        "cold_load_fail_ratio": cold["rejected"] + cold["failed"]
+        and (cold["rejected"] + cold["failed"]) / attempts,
+        "cold_loads": dict(cold),
+        "kv_conflicts": run.kv_conflicts,
+        "oracle_mismatches": mismatches,
+        "duration_s": run.duration_s,
+    }
+
+
+def _ratio(value: float, reference: float) -> float | None:
+    return value / reference if reference else None
+
+
+_COLUMNS = (
+    ("scheme", None),
+    ("peak mem x static", "peak_memory_ratio"),
+    ("peak RSS x static", "peak_rss_ratio"),
+    ("swap ms p50", "swap_ms_p50"),
+    ("swap ms p95", "swap_ms_p95"),
+    ("tail tok/s", "tail_tokens_per_s"),
+    ("median tok/s", "median_tokens_per_s"),
+    ("TTFT p50 ms", "ttft_p50_ms"),
+    ("TTFT p95 ms", "ttft_p95_ms"),
+    ("tok/s", "tokens_per_s"),
+    ("hit rate", "hit_rate"),
+    ("Belady", "belady_hit_rate"),
+    ("cold fail", "cold_load_fail_ratio"),
+    ("retries", "retries"),
+    ("kv conflicts", "kv_conflicts"),
+    ("oracle mismatches", "oracle_mismatches"),
+    ("completed", "completed"),
+)
+
+
+def markdown_table(schemes: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "| " + " | ".join(title for title, _ in _COLUMNS) + " |",
+        "|---|" + "---:|" * (len(_COLUMNS) - 1),
+    ]
+    for name, summary in schemes.items():
+        cells = [name]
+        for _, key in _COLUMNS[1:]:
+            value = summary[key]
+            if key == "completed":
+                value = f"{value}/{summary['requests']}"
+            cells.append(_cell(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int | str):
+        return str(value)
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"

@@ -1,0 +1,218 @@
+"""``lora-guard bench``: replay one multi-adapter trace against each scheme and print the table.
+
+Each scheme runs in a fresh process, one after another, so that its memory peak is its own and
+no state carries over. Then the oracle (each request's greedy tokens, alone) is computed, and every
+scheme's outputs are compared with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+from lora_guard.bench.arguments import QUICK_SPEC, SCHEMES
+from lora_guard.bench.oracle import OracleRequest, oracle_tokens
+from lora_guard.bench.peft_peer import replay_peft
+from lora_guard.bench.replay import (
+    EngineOptions,
+    SchemeRun,
+    adapter_ids,
+    replay_scheme,
+)
+from lora_guard.bench.report import markdown_table, summarize
+from lora_guard.bench.workload import (
+    TraceError,
+    TraceRequest,
+    WorkloadSpec,
+    make_trace,
+    read_trace,
+    write_trace,
+)
+
+T = TypeVar("T")
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    started = time.monotonic()
+    schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    unknown = [s for s in schemes if s not in SCHEMES]
+    if unknown or not schemes:
+        print(f"error: unknown scheme {unknown[0] if unknown else ''!r}; choose from "
+              f"{', '.join(SCHEMES)}", file=sys.stderr)  # fmt: skip
+        return 2
+    with tempfile.TemporaryDirectory(prefix="lora-guard-bench-") as scratch:
+        model, adapter_dir, spec = _model_and_spec(args, Path(scratch))
+        ids = adapter_ids(adapter_dir)
+        try:
+            trace = read_trace(args.trace) if args.trace else make_trace(spec, ids)
+        except (TraceError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        missing = sorted({r.adapter_id for r in trace if r.adapter_id} - set(ids))
+        if missing:
+            print(f"error: the trace names adapters not in {adapter_dir}: {', '.join(missing)}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        if args.write_trace:
+            write_trace(trace, args.write_trace)
+        used = {r.adapter_id for r in trace if r.adapter_id}
+        options = EngineOptions(
+            model=str(model), adapter_dir=str(adapter_dir),
+            max_loras=args.max_loras if not args.quick else 4,
+            max_lora_rank=args.max_lora_rank,
+            kv_cache_memory=args.kv_cache_memory if not args.quick else "16MiB",
+            cold_loads_per_minute=args.cold_loads_per_minute or max(len(used), 1),
+            dtype=args.dtype, device=args.device,
+        )  # fmt: skip
+        static_adapter = Counter(r.adapter_id for r in trace if r.adapter_id).most_common(1)
+        static_id = static_adapter[0][0] if static_adapter else ids[0]
+        _describe(trace, options, static_id)
+
+        runs: dict[str, SchemeRun] = {}
+        for scheme in schemes:
+            print(f"replaying {len(trace)} requests on {scheme} ...", file=sys.stderr, flush=True)
+            if scheme == "peft":
+                runs[scheme] = _in_child(replay_peft, trace, options)
+            else:
+                runs[scheme] = _in_child(replay_scheme, scheme, trace, options, static_id)
+        print("computing the oracle ...", file=sys.stderr, flush=True)
+        mismatches = _oracle_mismatches(runs, trace, options, static_id)
+
+    summaries = {
+        name: summarize(run, mismatches[name], runs.get("static")) for name, run in runs.items()
+    }
+    print(markdown_table(summaries))
+    report = {
+        "command": "lora-guard " + " ".join(argv),
+        "workload": _workload(trace, static_id),
+        "engine": asdict(options) | {"model": Path(options.model).name},
+        "schemes": summaries,
+        "duration_s": time.monotonic() - started,
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if args.plots:
+        from lora_guard.bench.plots import write_plots
+
+        for path in write_plots(summaries, runs, args.plots):
+            print(f"wrote {path}", file=sys.stderr)
+    lost = sum(s["requests"] - s["completed"] for s in summaries.values())
+    if lost:
+        print(f"{lost} requests did not complete (see 'failed' in the JSON)", file=sys.stderr)
+    return 1 if lost else 0
+
+
+def _model_and_spec(args: argparse.Namespace, scratch: Path) -> tuple[Path, Path, WorkloadSpec]:
+    spec = WorkloadSpec(
+        adapters=args.adapters, tenants=args.tenants, requests=args.requests, rate=args.rate,
+        zipf=args.zipf, output_mean=args.output_mean, seed=args.seed,
+    )  # fmt: skip
+    if args.quick:
+        from lora_guard.adapter_maker import make_adapters
+        from lora_guard.testing import make_tiny_llama
+
+        model = make_tiny_llama(scratch / "model", hidden_size=128, intermediate_size=256)
+        adapters = scratch / "adapters"
+        make_adapters(model, adapters, n=QUICK_SPEC.adapters, ranks=(4, 8, 16), strength=0.5,
+                      prefix="quick")  # fmt: skip
+        return model, adapters, replace(QUICK_SPEC, seed=args.seed)
+    if args.model is None:
+        from lora_guard.demo import prepare_demo
+
+        demo = prepare_demo(log=lambda msg: print(msg, file=sys.stderr))
+        return demo.model_dir, args.adapter_dir or demo.adapter_dir, spec
+    if args.adapter_dir is None:
+        raise SystemExit("error: --adapter-dir is needed with --model")
+    return args.model, args.adapter_dir, spec
+
+
+def _in_child(fn: Callable[..., T], *args: Any) -> T:
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def _oracle_mismatches(
+    runs: dict[str, SchemeRun],
+    trace: list[TraceRequest],
+    options: EngineOptions,
+    static_id: str,
+) -> dict[str, int]:
+    """Per scheme, the requests whose tokens differ from the same request run alone."""
+    requests: dict[str, OracleRequest] = {}
+    for name in runs:
+        served = static_id if name == "static" else None
+        for request in trace:
+            adapter = served or request.adapter_id
+            key = f"{request.id}@{adapter}"
+            requests[key] = OracleRequest(key, request.prompt, adapter, request.max_new_tokens)
+    oracle = _in_child(oracle_tokens, list(requests.values()), options)
+    by_scheme = {name: _differing(run, oracle, static_id) for name, run in runs.items()}
+    doubtful = sorted({key for keys in by_scheme.values() for key in keys})
+    if doubtful:
+        print(f"running {len(doubtful)} requests alone to confirm ...", file=sys.stderr)
+        alone = _in_child(oracle_tokens, [requests[k] for k in doubtful], options, True)
+        oracle.update(alone)
+        by_scheme = {name: _differing(run, oracle, static_id) for name, run in runs.items()}
+    return {name: len(keys) for name, keys in by_scheme.items()}
+
+
+def _differing(run: SchemeRun, oracle: dict[str, list[int]], static_id: str) -> list[str]:
+    differing = []
+    for record in run.records:
+        if record.error is not None:
+            continue
+        adapter = static_id if run.scheme == "static" else record.adapter_id
+        key = f"{record.id}@{adapter}"
+        if record.tokens != oracle[key]:
+            differing.append(key)
+    return differing
+
+
+def _describe(trace: list[TraceRequest], options: EngineOptions, static_id: str) -> None:
+    print(
+        f"trace: {len(trace)} requests over {trace[-1].time:.0f} s, "
+        f"{len({r.adapter_id for r in trace})} adapters, {len({r.tenant for r in trace})} "
+        f"tenants, mean max_new_tokens {_mean([r.max_new_tokens for r in trace]):.0f}; "
+        f"{options.max_loras} slots, static serves {static_id}",
+        file=sys.stderr,
+    )
+
+
+def _workload(trace: list[TraceRequest], static_id: str) -> dict[str, Any]:
+    return {
+        "requests": len(trace),
+        "duration_s": trace[-1].time,
+        "adapters": len({r.adapter_id for r in trace if r.adapter_id}),
+        "tenants": len({r.tenant for r in trace}),
+        "mean_max_new_tokens": _mean([r.max_new_tokens for r in trace]),
+        "static_adapter": static_id,
+    }
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from lora_guard.bench.arguments import add_arguments
+
+    parser = argparse.ArgumentParser(prog="lora-guard bench", description=__doc__)
+    add_arguments(parser)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run(parser.parse_args(argv), ["bench", *argv])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""A seeded multi-adapter workload, and its JSONL trace.
+
+Each line of a trace is one request::
+
+    {"id": "r0001", "time": 0.42, "tenant": "t2", "adapter_id": "demo-05",
+     "prompt": "...", "max_new_tokens": 180}
+
+``time`` is seconds from the start; ``adapter_id`` may be null (the base model); a line may give
+``prompt_len`` (words) instead of ``prompt``, and a prompt of that many words is made up for it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+_WORD_LIST = (
+    "river stone lantern market harbour ledger orchard signal copper winter garden railway "
+    "letter mountain engine window meadow compass archive bridge candle forest island "
+    "journey kettle ladder mirror needle ocean pencil quarry ribbon saddle timber valley"
+)
+_WORDS = _WORD_LIST.split()
+
+
+class TraceError(ValueError):
+    """A trace line cannot be read."""
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """What the generator draws from. Times in seconds, lengths in words (about one token
+    each) and tokens."""
+
+    adapters: int = 24
+    tenants: int = 6
+    requests: int = 48
+    rate: float = 0.25  # mean arrivals per second outside bursts
+    burst_every_s: float = 20.0
+    burst_len_s: float = 4.0
+    burst_factor: float = 4.0  # arrival rate multiplier inside a burst
+    zipf: float = 1.0
+    system_prompt_words: int = 64  # shared by every request of a tenant
+    user_words_mean: float = 24.0
+    output_mean: float = 180.0
+    output_min: int = 16
+    output_max: int = 400
+    base_share: float = 0.0  # share of requests for the base model (no adapter)
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    id: str
+    time: float
+    tenant: str
+    adapter_id: str | None
+    prompt: str
+    max_new_tokens: int
+
+
+def make_trace(spec: WorkloadSpec, adapter_ids: Sequence[str]) -> list[TraceRequest]:
+    """Requests drawn from ``spec``: adapter ``adapter_ids[i]`` has Zipf weight ``1/(i+1)**zipf``
+    and belongs to tenant ``i % tenants``; each tenant has its own system prompt."""
+    if len(adapter_ids) < spec.adapters:
+        raise TraceError(f"the workload needs {spec.adapters} adapters, {len(adapter_ids)} given")
+    rng = random.Random(spec.seed)
+    adapters = list(adapter_ids[: spec.adapters])
+    weights = [1 / (i + 1) ** spec.zipf for i in range(len(adapters))]
+    system = [_words(rng, spec.system_prompt_words, f"Tenant {t}.") for t in range(spec.tenants)]
+    # Lognormal output lengths with the asked mean; sigma 0.6 gives a long tail.
+    sigma = 0.6
+    mu = math.log(spec.output_mean) - sigma**2 / 2
+    trace, now = [], 0.0
+    for n in range(spec.requests):
+        in_burst = (now % spec.burst_every_s) < spec.burst_len_s
+        now += rng.expovariate(spec.rate * (spec.burst_factor if in_burst else 1.0))
+        if rng.random() < spec.base_share:
+            adapter, tenant = None, rng.randrange(spec.tenants)
+        else:
+            index = rng.choices(range(len(adapters)), weights=weights)[0]
+            adapter, tenant = adapters[index], index % spec.tenants
+        user_words = max(1, round(rng.expovariate(1 / spec.user_words_mean)))
+        prompt = f"{system[tenant]}\nUser: {_words(rng, user_words, 'Question:')}\nAssistant:"
+        out = round(rng.lognormvariate(mu, sigma))
+        trace.append(
+            TraceRequest(
+                id=f"r{n:04d}",
+                time=round(now, 3),
+                tenant=f"t{tenant}",
+                adapter_id=adapter,
+                prompt=prompt,
+                max_new_tokens=min(spec.output_max, max(spec.output_min, out)),
+            )
+        )
+    return trace
+
+
+def _words(rng: random.Random, n: int, lead: str) -> str:
+    return " ".join([lead, *rng.choices(_WORDS, k=n)])
+
+
+def write_trace(trace: Iterable[TraceRequest], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for request in trace:
+            f.write(json.dumps(asdict(request)) + "\n")
+
+
+def read_trace(path: Path) -> list[TraceRequest]:
+    """Read a JSONL trace, sorted by time. Raises :class:`TraceError` naming the bad line."""
+    trace = []
+    with path.open() as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                trace.append(_request(json.loads(line), number))
+            except (ValueError, TypeError, KeyError) as exc:
+                raise TraceError(f"{path}:{number}: {exc}") from None
+    if not trace:
+        raise TraceError(f"{path}: the trace holds no requests")
+    ids = [r.id for r in trace]
+    if len(set(ids)) != len(ids):
+        raise TraceError(f"{path}: request ids must be unique")
+    return sorted(trace, key=lambda r: r.time)
+
+
+def _request(line: dict[str, object], number: int) -> TraceRequest:
+    time, max_new = float(line["time"]), line["max_new_tokens"]  # type: ignore[arg-type]
+    if not (math.isfinite(time) and time >= 0):
+        raise ValueError(f"time must be a finite number >= 0, got {line['time']!r}")
+    if not isinstance(max_new, int) or max_new < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new!r}")
+    adapter = line.get("adapter_id")
+    if adapter is not None and not isinstance(adapter, str):
+        raise ValueError(f"adapter_id must be a string or null, got {adapter!r}")
+    if "prompt" in line:
+        prompt = line["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError("prompt must be a non-empty string")
+    else:
+        words = line["prompt_len"]
+        if not isinstance(words, int) or words < 1:
+            raise ValueError(f"prompt_len must be a positive integer, got {words!r}")
+        prompt = _words(random.Random(number), words - 1, "Request:")
+    return TraceRequest(
+        id=str(line.get("id", f"line{number}")),
+        time=time,
+        tenant=str(line.get("tenant", "default")),
+        adapter_id=adapter,
+        prompt=prompt,
+        max_new_tokens=max_new,
+    )
