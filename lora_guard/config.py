@@ -460,13 +460,15 @@ class ServeSettings:
 
 
 def scan_adapter_dir(folder: Path) -> dict[str, Path]:
-    """``{folder name: path}`` of the subfolders of ``folder`` that hold a PEFT adapter."""
+    """``{folder name: path}`` of the subfolders of ``folder`` that hold a PEFT adapter (a link
+    leading outside ``folder`` is left out)."""
     root = folder.expanduser()
     try:
         return {
             sub.name: sub
             for sub in sorted(root.iterdir())
             if (sub / "adapter_config.json").is_file()
+            and sub.resolve().is_relative_to(root.resolve())
         }
     except OSError as exc:
         raise SettingsError(f"--adapter-dir {folder}: cannot list it: {exc.strerror}") from None

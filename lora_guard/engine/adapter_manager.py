@@ -77,6 +77,7 @@ class AdapterManager:
         self.merged: LoRAAdapter | None = None
         self.merged_refs = 0
         self.registry: dict[str, Path] = dict(registry or {})
+        self.roots: dict[str, Path | None] = {}
         self.slots = [SlotState() for _ in range(pool.num_slots)]
         self.stats = AdapterStats()
         self._load_started: dict[str, float] = {}
@@ -84,9 +85,11 @@ class AdapterManager:
         self._waiting_cold: set[str] = set()
 
     # registry
-    def register(self, adapter_id: str, path: Path) -> None:
-        """Add or replace an adapter; a replaced one is read again from disk on its next use."""
+    def register(self, adapter_id: str, path: Path, root: Path | None = None) -> None:
+        """Add or replace an adapter; a replaced one is read again from disk on its next use.
+        With ``root`` (its adapter directory), its files are read only if they resolve inside."""
         self.registry[adapter_id] = Path(path)
+        self.roots[adapter_id] = root
         self.host.drop(adapter_id)
         for state in self.slots:
             if state.adapter_id == adapter_id:
@@ -94,6 +97,7 @@ class AdapterManager:
 
     def unregister(self, adapter_id: str) -> None:
         self.registry.pop(adapter_id, None)
+        self.roots.pop(adapter_id, None)
         self.host.drop(adapter_id)
         for slot, state in enumerate(self.slots):
             if state.adapter_id == adapter_id and state.refs == 0:
@@ -168,7 +172,7 @@ class AdapterManager:
         self._disk_reads.append(time.monotonic())
         while self._disk_reads and self._disk_reads[0] < self._disk_reads[-1] - 600:
             self._disk_reads.popleft()
-        self.loader.submit(adapter_id, self.registry[adapter_id])
+        self.loader.submit(adapter_id, self.registry[adapter_id], self.roots.get(adapter_id))
 
     def cold_loads_since(self, since: float) -> int:
         """Adapter reads from disk started after ``since`` (``time.monotonic()``)."""

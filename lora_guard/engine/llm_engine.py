@@ -111,9 +111,17 @@ class LLMEngine:
             merge=self._merge if merged else None,
         )
         if adapter_dir is not None:
-            for folder in sorted(Path(adapter_dir).expanduser().iterdir()):
-                if (folder / "adapter_config.json").is_file():
-                    self.adapters.register(folder.name, folder)
+            root = Path(adapter_dir).expanduser()
+            for folder in sorted(root.iterdir()):
+                if not (folder / "adapter_config.json").is_file():
+                    continue
+                if not folder.resolve().is_relative_to(root.resolve()):
+                    log.warning(
+                        "adapter %s links outside %s: not served (name it with --adapter "
+                        "NAME=PATH to serve it)", folder.name, root,
+                    )  # fmt: skip
+                    continue
+                self.adapters.register(folder.name, folder, root=root)
         for adapter_id, path in (adapters or {}).items():
             self.adapters.register(adapter_id, Path(path).expanduser())
         if config.static_adapter is not None:

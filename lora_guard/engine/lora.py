@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import stat
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -59,14 +61,49 @@ def _pattern_value(patterns: dict[str, float], module_name: str, default: float)
     return default
 
 
-def read_adapter(adapter_id: str, path: Path, spec: ModelSpec, max_rank: int) -> LoRAAdapter:
-    """Read and validate a PEFT LoRA folder. Raises :class:`AdapterError` with the reason."""
+def _read_regular_file(file: Path, root: Path | None) -> bytes:
+    """The bytes of ``file``, which must be a regular file (not a pipe, device or folder) and,
+    with ``root``, must resolve inside it. Raises ``ValueError`` with the reason."""
+    try:
+        real = file.resolve(strict=True)
+    except FileNotFoundError:
+        raise ValueError(f"missing {file.name}") from None
+    except (OSError, RuntimeError) as exc:  # a symlink loop is a RuntimeError before 3.13
+        raise ValueError(f"cannot read {file.name}: {exc}") from None
+    if root is not None and not real.is_relative_to(root.resolve()):
+        raise ValueError(f"{file.name} leads outside the adapter directory")
+    try:
+        # O_NONBLOCK: opening a pipe must not wait for a writer; only regular files are read.
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise ValueError(f"cannot read {file.name}: {exc.strerror or exc}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{file.name} is not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            return handle.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read {file.name}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+
+
+def read_adapter(
+    adapter_id: str, path: Path, spec: ModelSpec, max_rank: int, root: Path | None = None
+) -> LoRAAdapter:
+    """Read and validate a PEFT LoRA folder. Raises :class:`AdapterError` with the reason.
+
+    With ``root`` (the adapter directory it was found in), the folder and its files must resolve
+    inside ``root``: a symlink leading elsewhere is refused, never read.
+    """
 
     def fail(reason: str) -> AdapterError:
         return AdapterError(f"adapter {adapter_id!r}: {reason}")
 
     if not path.is_dir():
         raise fail(f"{path} is not a folder")
+    if root is not None and not path.resolve().is_relative_to(root.resolve()):
+        raise fail(f"{path} leads outside the adapter directory")
     pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
         raise fail(
@@ -74,12 +111,10 @@ def read_adapter(adapter_id: str, path: Path, spec: ModelSpec, max_rank: int) ->
             "keep only adapter_config.json and adapter_model.safetensors"
         )
     try:
-        config_bytes = (path / CONFIG_FILE).read_bytes()
-        data = (path / WEIGHTS_FILE).read_bytes()
-    except FileNotFoundError as exc:
-        raise fail(f"missing {Path(str(exc.filename)).name}") from None
-    except OSError as exc:
-        raise fail(f"cannot read its files: {exc.strerror or exc}") from None
+        config_bytes = _read_regular_file(path / CONFIG_FILE, root)
+        data = _read_regular_file(path / WEIGHTS_FILE, root)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
     try:
         config = json.loads(config_bytes)
     except ValueError as exc:
@@ -218,10 +253,10 @@ class AdapterLoader:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-guard-loader")
         self.pending: dict[str, Future[LoRAAdapter]] = {}
 
-    def submit(self, adapter_id: str, path: Path) -> None:
+    def submit(self, adapter_id: str, path: Path, root: Path | None = None) -> None:
         if adapter_id not in self.pending:
             self.pending[adapter_id] = self._pool.submit(
-                read_adapter, adapter_id, path, self.spec, self.max_rank
+                read_adapter, adapter_id, path, self.spec, self.max_rank, root
             )
 
     def collect(self) -> list[tuple[str, LoRAAdapter | AdapterError]]:

@@ -46,9 +46,9 @@ def _name(name: str) -> str:
     return name
 
 
-def _inside_adapter_dirs(state: ServerState, name: str, path: str | None) -> Path:
-    """The adapter's folder, resolved, and only if it lies inside a configured adapter directory
-    (no `..`, no absolute path elsewhere, no symlink leading out)."""
+def _inside_adapter_dirs(state: ServerState, name: str, path: str | None) -> tuple[Path, Path]:
+    """The adapter's folder, resolved, and the adapter directory it lies in; only a folder inside
+    a configured adapter directory (no `..`, no absolute path elsewhere, no symlink leading out)."""
     roots = [d.expanduser().resolve() for d in state.adapter_dirs]
     if not roots:
         raise APIError(403, "no adapter directory is configured: start with --adapter-dir",
@@ -56,10 +56,11 @@ def _inside_adapter_dirs(state: ServerState, name: str, path: str | None) -> Pat
     candidates = [Path(path).expanduser()] if path else [root / name for root in roots]
     for candidate in candidates:
         resolved = (candidate if candidate.is_absolute() else roots[0] / candidate).resolve()
-        if any(resolved.is_relative_to(root) for root in roots):
-            if resolved.is_dir():
-                return resolved
-            raise not_found(f"no adapter folder at {candidate}")
+        for root in roots:
+            if resolved.is_relative_to(root):
+                if resolved.is_dir():
+                    return resolved, root
+                raise not_found(f"no adapter folder at {candidate}")
     raise APIError(403, "lora_path must lie inside the configured adapter directories",
                    "forbidden")  # fmt: skip
 
@@ -109,13 +110,13 @@ def _weights_bytes(path: Path) -> int | None:
 async def load_lora_adapter(body: LoadAdapter, request: Request) -> PlainTextResponse:
     state = _admin(request)
     name = _name(body.lora_name)
-    folder = _inside_adapter_dirs(state, name, body.lora_path)
+    folder, root = _inside_adapter_dirs(state, name, body.lora_path)
     spec, max_rank = state.llm.model.spec, state.llm.config.max_lora_rank
-    try:
-        await asyncio.to_thread(read_adapter, name, folder, spec, max_rank)  # refuse it now
+    try:  # refuse it now rather than at its first request
+        await asyncio.to_thread(read_adapter, name, folder, spec, max_rank, root)
     except AdapterError as exc:
         raise validation(str(exc)) from None
-    await state.engine.call(lambda engine: engine.adapters.register(name, folder))
+    await state.engine.call(lambda engine: engine.adapters.register(name, folder, root))
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
