@@ -83,6 +83,7 @@ class MetricsPlugin:
         self.cold_window = SlidingRatio(window_s)
         self._last_kv_conflicts = 0
         self._last_cached_tokens = 0
+        self._last_preemptions = 0
         self._resident_key: tuple[Any, ...] | None = None
         self._resident: set[tuple[str, str, str]] = set()
         self._lora_info: tuple[str, str, str] | None = None
@@ -159,6 +160,11 @@ class MetricsPlugin:
         self.vllm_num_requests_waiting = Gauge(
             "vllm:num_requests_waiting",
             "Number of requests waiting to be processed.",
+            registry=reg,
+        )
+        self.vllm_num_preemptions = Counter(
+            "vllm:num_preemptions",
+            "Running requests preempted because the KV pool was full (recomputed later).",
             registry=reg,
         )
         self.vllm_kv_cache_usage_perc = Gauge(
@@ -276,6 +282,9 @@ class MetricsPlugin:
         )
         self._last_cached_tokens = _advance(
             self.prefix_cache_hit_tokens, self._last_cached_tokens, cached_tokens
+        )
+        self._last_preemptions = _advance(
+            self.vllm_num_preemptions, self._last_preemptions, state.num_preemptions
         )
         self.memory_watermark.set(state.memory_watermark)
         self.vllm_kv_cache_usage_perc.set(state.memory_watermark)

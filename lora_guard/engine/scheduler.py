@@ -70,6 +70,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_steps = 0
+        self.num_preemptions = 0
         self._state: EngineState | None = None
         self._arrivals: deque[tuple[float, str]] = deque()  # (time, adapter id), for the heat
         self._heat: Counter[str] = Counter()
@@ -106,6 +107,7 @@ class Scheduler:
                 running_adapters=tuple(s.adapter_id for s in self.running if s.adapter_id),
                 heat=MappingProxyType({a: n for a, n in self._heat.items() if n > 0}),
                 cold_loads_in_window=adapters.cold_loads_since(now - WINDOW_S),
+                num_preemptions=self.num_preemptions,
             )
         return self._state
 
@@ -222,6 +224,7 @@ class Scheduler:
         self._unbind(seq)
         seq.status = Status.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:

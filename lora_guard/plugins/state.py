@@ -48,6 +48,7 @@ class EngineState:
     :param running_adapters: adapter ids of the running requests (with repeats).
     :param heat: requests per adapter that arrived in the last 60 s.
     :param cold_loads_in_window: adapter reads from disk started in the last 60 s.
+    :param num_preemptions: running requests preempted (KV pool full) since the engine started.
     """
 
     step: int
@@ -63,6 +64,7 @@ class EngineState:
     running_adapters: tuple[str, ...] = ()
     heat: Mapping[str, int] = field(default_factory=dict)
     cold_loads_in_window: int = 0
+    num_preemptions: int = 0
 
     def slot_of(self, adapter_id: str) -> int | None:
         for view in self.slots:
