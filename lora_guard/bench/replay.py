@@ -49,7 +49,7 @@ class SchemeRun:
     kv_conflicts: int
     cold_loads: dict[str, int]  # loaded, rejected, failed
     memory: dict[str, int]  # bytes, the engine's own accounting
-    peak_rss: int  # bytes, this process
+    peak_rss: int | None  # bytes, of the process that ran the scheme alone
     duration_s: float
     served: list[str | None]  # adapter of each request as served, in arrival order
 

@@ -49,8 +49,8 @@ def summarize(run: SchemeRun, mismatches: int, static: SchemeRun | None = None) 
         "retries": sum(r.retries for r in run.records),
         "peak_memory_mib": run.memory["total"] / MIB,
         "peak_memory_ratio": _ratio(run.memory["total"], static.memory["total"] if static else 0),
-        "peak_rss_mib": run.peak_rss / MIB,
-        "peak_rss_ratio": _ratio(run.peak_rss, static.peak_rss if static else 0),
+        "peak_rss_mib": run.peak_rss / MIB if run.peak_rss else None,
+        "peak_rss_ratio": _ratio(run.peak_rss or 0, static.peak_rss or 0 if static else 0),
         "memory_mib": {k: v / MIB for k, v in run.memory.items()},
         "swaps": len(run.swap_ms),
         "swap_ms_p50": percentile(run.swap_ms, 50),
@@ -74,7 +74,7 @@ def summarize(run: SchemeRun, mismatches: int, static: SchemeRun | None = None) 
 
 
 def _ratio(value: float, reference: float) -> float | None:
-    return value / reference if reference else None
+    return value / reference if value and reference else None
 
 
 _COLUMNS = (

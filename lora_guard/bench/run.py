@@ -79,14 +79,17 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         _describe(trace, options, static_id)
 
         runs: dict[str, SchemeRun] = {}
+        # --quick runs everything here: process start-up would outweigh the tiny model's work.
+        isolated = not args.quick
         for scheme in schemes:
-            print(f"replaying {len(trace)} requests on {scheme} ...", file=sys.stderr, flush=True)
+            _progress(started, f"replaying {len(trace)} requests on {scheme}")
             if scheme == "peft":
-                runs[scheme] = _in_child(replay_peft, trace, options)
+                runs[scheme] = _call(isolated, replay_peft, trace, options)
             else:
-                runs[scheme] = _in_child(replay_scheme, scheme, trace, options, static_id)
-        print("computing the oracle ...", file=sys.stderr, flush=True)
-        mismatches = _oracle_mismatches(runs, trace, options, static_id)
+                runs[scheme] = _call(isolated, replay_scheme, scheme, trace, options, static_id)
+        _progress(started, "computing the oracle")
+        mismatches = _oracle_mismatches(runs, trace, options, static_id, isolated)
+        _progress(started, "done")
 
     summaries = {
         name: summarize(run, mismatches[name], runs.get("static")) for name, run in runs.items()
@@ -113,6 +116,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 1 if lost else 0
 
 
+def _progress(started: float, what: str) -> None:
+    print(f"[{time.monotonic() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
 def _model_and_spec(args: argparse.Namespace, scratch: Path) -> tuple[Path, Path, WorkloadSpec]:
     spec = WorkloadSpec(
         adapters=args.adapters, tenants=args.tenants, requests=args.requests, rate=args.rate,
@@ -137,7 +144,13 @@ def _model_and_spec(args: argparse.Namespace, scratch: Path) -> tuple[Path, Path
     return args.model, args.adapter_dir, spec
 
 
-def _in_child(fn: Callable[..., T], *args: Any) -> T:
+def _call(isolated: bool, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a fresh process (its peak RSS is its own), or here (no RSS figure)."""
+    if not isolated:
+        result = fn(*args)
+        if isinstance(result, SchemeRun):
+            result.peak_rss = None
+        return result
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
         return pool.submit(fn, *args).result()
@@ -148,6 +161,7 @@ def _oracle_mismatches(
     trace: list[TraceRequest],
     options: EngineOptions,
     static_id: str,
+    isolated: bool,
 ) -> dict[str, int]:
     """Per scheme, the requests whose tokens differ from the same request run alone."""
     requests: dict[str, OracleRequest] = {}
@@ -157,12 +171,12 @@ def _oracle_mismatches(
             adapter = served or request.adapter_id
             key = f"{request.id}@{adapter}"
             requests[key] = OracleRequest(key, request.prompt, adapter, request.max_new_tokens)
-    oracle = _in_child(oracle_tokens, list(requests.values()), options)
+    oracle = _call(isolated, oracle_tokens, list(requests.values()), options)
     by_scheme = {name: _differing(run, oracle, static_id) for name, run in runs.items()}
     doubtful = sorted({key for keys in by_scheme.values() for key in keys})
     if doubtful:
         print(f"running {len(doubtful)} requests alone to confirm ...", file=sys.stderr)
-        alone = _in_child(oracle_tokens, [requests[k] for k in doubtful], options, True)
+        alone = _call(isolated, oracle_tokens, [requests[k] for k in doubtful], options, True)
         oracle.update(alone)
         by_scheme = {name: _differing(run, oracle, static_id) for name, run in runs.items()}
     return {name: len(keys) for name, keys in by_scheme.items()}

@@ -80,7 +80,8 @@ class AdapterManager:
         self.roots: dict[str, Path | None] = {}
         self.slots = [SlotState() for _ in range(pool.num_slots)]
         self.stats = AdapterStats()
-        self._load_started: dict[str, float] = {}
+        self._load_started: dict[str, float] = {}  # disk reads under way: perf_counter at start
+        self._read_ms: dict[str, float] = {}  # read from disk, not yet in a slot: read time
         self._disk_reads: deque[float] = deque()  # monotonic start times, last 10 minutes
         self._waiting_cold: set[str] = set()
 
@@ -91,6 +92,7 @@ class AdapterManager:
         self.registry[adapter_id] = Path(path)
         self.roots[adapter_id] = root
         self.host.drop(adapter_id)
+        self._read_ms.pop(adapter_id, None)
         for state in self.slots:
             if state.adapter_id == adapter_id:
                 state.content_hash = None  # stale: running requests keep it, new ones reload
@@ -99,6 +101,7 @@ class AdapterManager:
         self.registry.pop(adapter_id, None)
         self.roots.pop(adapter_id, None)
         self.host.drop(adapter_id)
+        self._read_ms.pop(adapter_id, None)
         for slot, state in enumerate(self.slots):
             if state.adapter_id == adapter_id and state.refs == 0:
                 self._evict(slot)
@@ -148,16 +151,15 @@ class AdapterManager:
             slot = self.choose_slot()
         if slot is None or not 0 <= slot < len(self.slots) or self.slots[slot].refs:
             return None
-        started = self._load_started.pop(adapter_id, None)
-        tier = Lookup.COLD if started is not None else Lookup.WARM
-        if started is None:
+        read_ms = self._read_ms.pop(adapter_id, None)
+        tier = Lookup.COLD if read_ms is not None else Lookup.WARM
+        if read_ms is None:
             self.stats.lookups[Lookup.WARM] += 1
-            started = now
         self._evict(slot)
         self.pool.load(slot, adapter)
         self.slots[slot] = SlotState(adapter_id, adapter.content_hash, 0, now)
         self.stats.loads += 1
-        swap_ms = (time.perf_counter() - started) * 1000
+        swap_ms = (read_ms or 0.0) + (time.perf_counter() - now) * 1000
         self.stats.swap_ms.append(swap_ms)
         if self.events is not None:
             self.events.notify(
@@ -200,9 +202,9 @@ class AdapterManager:
         if self.merged_refs:
             return None  # running requests still use the weights merged now
         assert self.merge is not None
-        started = self._load_started.pop(adapter_id or "", None)
-        tier = Lookup.COLD if started is not None else Lookup.WARM
-        if adapter_id is not None and started is None:
+        read_ms = self._read_ms.pop(adapter_id or "", None)
+        tier = Lookup.COLD if read_ms is not None else Lookup.WARM
+        if adapter_id is not None and read_ms is None:
             self.stats.lookups[Lookup.WARM] += 1
         if current is not None:
             self.stats.evictions += 1
@@ -212,7 +214,7 @@ class AdapterManager:
         self.merged = adapter
         self.merged_refs = 1
         if adapter is not None:
-            swap_ms = (time.perf_counter() - (started or now)) * 1000
+            swap_ms = (read_ms or 0.0) + (time.perf_counter() - now) * 1000
             self.stats.loads += 1
             self.stats.swap_ms.append(swap_ms)
             if self.events is not None:
@@ -243,11 +245,13 @@ class AdapterManager:
         """Move finished loads to the host tier; return the adapters whose load failed."""
         failed = {}
         for adapter_id, result in self.loader.collect():
+            started = self._load_started.pop(adapter_id, None)
             if isinstance(result, LoRAAdapter):
                 if self.registry.get(adapter_id) == result.path:
                     self.host.put(result)
+                    if started is not None:
+                        self._read_ms[adapter_id] = (time.perf_counter() - started) * 1000
             else:
-                self._load_started.pop(adapter_id, None)
                 self.stats.failures += 1
                 failed[adapter_id] = result
                 if self.events is not None:

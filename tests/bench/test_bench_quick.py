@@ -1,0 +1,73 @@
+"""`lora-guard bench --quick`: the real command, every scheme, a real (tiny) model and adapters."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCHEMES = {"static", "on-demand", "lru", "lora-guard", "lora-guard-observe", "peft"}
+KEYS = {
+    "requests", "completed", "retries", "peak_memory_ratio", "swap_ms_p50", "swap_ms_p95",
+    "tail_tokens_per_s", "median_tokens_per_s", "ttft_p50_ms", "ttft_p95_ms", "tokens_per_s",
+    "hit_rate", "belady_hit_rate", "cold_load_fail_ratio", "kv_conflicts", "oracle_mismatches",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, Path]:  # type: ignore[type-arg]
+    out = tmp_path_factory.mktemp("bench")
+    done = subprocess.run(
+        [sys.executable, "-m", "lora_guard.cli", "bench", "--quick", "--json",
+         str(out / "report.json"), "--plots", str(out / "plots"),
+         "--write-trace", str(out / "trace.jsonl")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((out / "report.json").read_text()), done.stdout, out
+
+
+@pytest.mark.slow
+def test_the_report_holds_every_scheme_with_every_figure(quick: tuple) -> None:  # type: ignore[type-arg]
+    report, stdout, _ = quick
+    schemes = report["schemes"]
+    assert set(schemes) == SCHEMES
+    for name, summary in schemes.items():
+        assert set(summary) >= KEYS, name
+        assert summary["requests"] == report["workload"]["requests"] == 32
+        assert summary["completed"] == summary["requests"], f"{name} lost requests"
+        assert summary["tokens_per_s"] > 0 and summary["tail_tokens_per_s"] > 0
+        assert 0 <= summary["hit_rate"] <= 1 and 0 <= summary["belady_hit_rate"] <= 1
+    assert schemes["static"]["peak_memory_ratio"] == 1.0
+    # The table printed is the same report, one row per scheme.
+    rows = [line for line in stdout.splitlines() if line.startswith("| ")]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == list(schemes)
+
+
+@pytest.mark.slow
+def test_lora_guard_shares_no_kv_across_adapters_and_matches_the_oracle(quick: tuple) -> None:  # type: ignore[type-arg]
+    schemes = quick[0]["schemes"]
+    assert schemes["lora-guard"]["kv_conflicts"] == 0
+    assert schemes["lora-guard"]["oracle_mismatches"] == 0
+    # The same trace with namespaces only observed reuses KV across adapters of a tenant.
+    assert schemes["lora-guard-observe"]["kv_conflicts"] > 0
+
+
+@pytest.mark.slow
+def test_the_trace_and_plots_are_written(quick: tuple) -> None:  # type: ignore[type-arg]
+    _, _, out = quick
+    assert len((out / "trace.jsonl").read_text().splitlines()) == 32
+    for name in ("table.png", "latency.png", "hit_rate.png"):
+        assert (out / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_unknown_scheme_is_refused_before_anything_runs() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "lora_guard.cli", "bench", "--quick", "--schemes", "lru,magic"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "unknown scheme 'magic'" in done.stderr

@@ -1,0 +1,109 @@
+"""The bench's workload: seeded, Zipf-skewed, tenant prefixes, and a JSONL trace users can edit."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from lora_guard.bench.report import percentile
+from lora_guard.bench.workload import (
+    TraceError,
+    WorkloadSpec,
+    make_trace,
+    read_trace,
+    write_trace,
+)
+
+ADAPTERS = [f"demo-{i:02d}" for i in range(24)]
+
+
+def test_the_same_seed_gives_the_same_trace_and_another_seed_another() -> None:
+    spec = WorkloadSpec(requests=50)
+    assert make_trace(spec, ADAPTERS) == make_trace(spec, ADAPTERS)
+    assert make_trace(spec, ADAPTERS) != make_trace(WorkloadSpec(requests=50, seed=1), ADAPTERS)
+
+
+def test_popularity_is_zipf_skewed_and_outputs_have_the_asked_mean() -> None:
+    trace = make_trace(WorkloadSpec(requests=2000, output_max=2000), ADAPTERS)
+    counts = Counter(r.adapter_id for r in trace)
+    # Zipf(1) over 24 adapters: the first takes 1/H(24) = 26.5%, the second half of that.
+    assert 0.22 < counts["demo-00"] / len(trace) < 0.31
+    assert 1.6 < counts["demo-00"] / counts["demo-01"] < 2.5
+    mean = sum(r.max_new_tokens for r in trace) / len(trace)
+    assert 165 < mean < 195
+    times = [r.time for r in trace]
+    assert times == sorted(times) and times[0] > 0
+
+
+def test_requests_of_a_tenant_share_its_system_prompt() -> None:
+    trace = make_trace(WorkloadSpec(requests=60), ADAPTERS)
+    by_tenant: dict[str, set[str]] = {}
+    for request in trace:
+        by_tenant.setdefault(request.tenant, set()).add(request.prompt.split("\nUser:")[0])
+    assert len(by_tenant) > 1
+    assert all(len(prefixes) == 1 for prefixes in by_tenant.values())
+    assert len({next(iter(p)) for p in by_tenant.values()}) == len(by_tenant)
+
+
+def test_a_trace_survives_a_round_trip_through_jsonl(tmp_path: Path) -> None:
+    trace = make_trace(WorkloadSpec(requests=20, base_share=0.3), ADAPTERS)
+    write_trace(trace, tmp_path / "trace.jsonl")
+    assert read_trace(tmp_path / "trace.jsonl") == trace
+    assert any(r.adapter_id is None for r in trace)
+
+
+def test_a_line_may_give_a_prompt_length_instead_of_a_prompt(tmp_path: Path) -> None:
+    path = tmp_path / "mine.jsonl"
+    path.write_text(
+        json.dumps({"time": 1.5, "adapter_id": "demo-03", "prompt_len": 40, "max_new_tokens": 9})
+        + "\n\n"
+        + json.dumps({"id": "x", "time": 0.5, "prompt": "Hello", "max_new_tokens": 3})
+        + "\n"
+    )
+    first, second = read_trace(path)
+    assert (first.id, first.time, first.prompt) == ("x", 0.5, "Hello")
+    assert len(second.prompt.split()) == 40 and second.adapter_id == "demo-03"
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"time": -1, "prompt": "a", "max_new_tokens": 3}', "time"),
+        ('{"time": 0, "prompt": "a", "max_new_tokens": 0}', "max_new_tokens"),
+        ('{"time": 0, "prompt": "", "max_new_tokens": 3}', "prompt"),
+        ('{"time": 0, "max_new_tokens": 3}', "prompt_len"),
+        ('{"time": 0, "prompt": "a", "max_new_tokens": 3, "adapter_id": 7}', "adapter_id"),
+        ("not json", "line"),
+    ],
+)
+def test_a_bad_line_is_named_in_the_error(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"time": 0, "prompt": "ok", "max_new_tokens": 3}\n' + line + "\n")
+    with pytest.raises(TraceError, match=r"bad.jsonl:2") as caught:
+        read_trace(path)
+    assert message in str(caught.value) or message == "line"
+
+
+def test_an_empty_trace_and_duplicate_ids_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(TraceError, match="no requests"):
+        read_trace(tmp_path / "empty.jsonl")
+    line = '{"id": "a", "time": 0, "prompt": "x", "max_new_tokens": 3}\n'
+    (tmp_path / "dup.jsonl").write_text(line * 2)
+    with pytest.raises(TraceError, match="unique"):
+        read_trace(tmp_path / "dup.jsonl")
+
+
+def test_too_few_adapters_for_the_workload_is_an_error() -> None:
+    with pytest.raises(TraceError, match="needs 24 adapters, 3 given"):
+        make_trace(WorkloadSpec(), ADAPTERS[:3])
+
+
+def test_percentiles_interpolate_between_ranks() -> None:
+    assert percentile([], 50) is None
+    assert percentile([4.0], 5) == 4.0
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert percentile([10.0, 0.0], 5) == pytest.approx(0.5)
