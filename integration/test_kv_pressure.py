@@ -21,7 +21,7 @@ REQUESTS = [
     ("Numbers: 0 1 2 3", "a-02"),
     ("The quick brown fox", "a-00"),
 ]
-NEW_TOKENS = 120  # five of these need about 2.5 pools
+NEW_TOKENS = 80  # five of these, run together, need about 1.7 pools
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_requests_outgrowing_the_pool_are_preempted_and_resume_with_the_same_tok
     alone = engine_greedy(
         model, {p.name: p for p in adapters.iterdir() if p.is_dir()}, REQUESTS, NEW_TOKENS
     )
-    assert sum(len(t) for t in alone) > 2 * POOL_TOKENS - 5 * 8  # they cannot all fit at once
+    assert sum(len(t) for t in alone) > POOL_TOKENS  # they cannot all fit at once
     preempted = metric(small_pool.url, "vllm:num_preemptions_total")
     answers: dict[int, httpx.Response] = {}
 
@@ -91,5 +91,8 @@ def test_requests_outgrowing_the_pool_are_preempted_and_resume_with_the_same_tok
     for i, r in answers.items():
         assert r.status_code == 200, r.text
         assert [t["id"] for t in r.json()["details"]["tokens"]] == alone[i], REQUESTS[i]
-    assert metric(small_pool.url, "vllm:num_preemptions_total") > preempted
+    preemptions = metric(small_pool.url, "vllm:num_preemptions_total") - preempted
+    print(f"\nkv pressure: {len(REQUESTS)} requests, {sum(map(len, alone))} tokens through a "
+          f"{POOL_TOKENS}-token pool, {preemptions:.0f} preemptions, tokens as alone")  # fmt: skip
+    assert preemptions > 0
     assert metric(small_pool.url, "vllm:kv_cache_usage_perc") == 0
