@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -114,6 +115,33 @@ def test_pickle_bin_beside_safetensors_is_refused(
     torch.save(load_file(path / WEIGHTS), path / "adapter_model.bin")
     message = refusal("both", path, spec)
     assert "pickle" in message and "adapter_model.bin" in message
+
+
+def test_only_regular_files_are_read(
+    base: torch.nn.Module, spec: ModelSpec, tmp_path: Path
+) -> None:
+    path = save_lora(base, tmp_path / "odd")
+    (path / WEIGHTS).unlink()
+    os.mkfifo(path / WEIGHTS)  # reading it would block for good
+    assert f"{WEIGHTS} is not a regular file" in refusal("odd", path, spec)
+    (path / WEIGHTS).unlink()
+    (path / WEIGHTS).mkdir()
+    assert f"{WEIGHTS} is not a regular file" in refusal("odd", path, spec)
+
+
+def test_files_must_resolve_inside_the_adapter_directory(
+    base: torch.nn.Module, spec: ModelSpec, tmp_path: Path
+) -> None:
+    root, elsewhere = tmp_path / "adapters", save_lora(base, tmp_path / "elsewhere")
+    path = save_lora(base, root / "linked")
+    (path / WEIGHTS).unlink()
+    (path / WEIGHTS).symlink_to(elsewhere / WEIGHTS)
+    assert read_adapter("linked", path, spec, MAX_RANK).rank == 4  # no root: as named
+    with pytest.raises(AdapterError, match="leads outside the adapter directory"):
+        read_adapter("linked", path, spec, MAX_RANK, root=root)
+    (root / "folder-link").symlink_to(elsewhere)
+    with pytest.raises(AdapterError, match="leads outside the adapter directory"):
+        read_adapter("folder-link", root / "folder-link", spec, MAX_RANK, root=root)
 
 
 def test_rank_above_max_rank_is_refused(
