@@ -27,6 +27,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--requests", type=int, default=spec.requests)
     add("--rate", type=float, default=spec.rate, help="mean arrivals per second outside bursts")
     add("--zipf", type=float, default=spec.zipf, help="Zipf exponent of adapter popularity")
+    add(
+        "--system-prompt-words",
+        type=int,
+        default=spec.system_prompt_words,
+        help="length of each tenant's shared system prompt",
+    )
+    add(
+        "--user-words",
+        type=float,
+        default=spec.user_words_mean,
+        help="mean length of the user part of a prompt",
+    )
     add("--output-mean", type=float, default=spec.output_mean, help="mean max_new_tokens")
     add("--seed", type=int, default=spec.seed)
     add("--max-loras", type=int, default=8, help="device slots")
@@ -45,5 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a tiny random model and a short trace (a smoke run, about a minute)",
     )
+    add(
+        "--target",
+        metavar="URL",
+        help="replay against this running server instead (its metrics give hit rate, swaps, "
+        "cold loads and conflicts; --model adds the oracle check)",
+    )
+    add("--target-name", default="target", help="the scheme name of the --target run")
+    add("--api-key", default="", help="bearer key for --target")
     add("--json", type=Path, metavar="FILE", help="write the report as JSON")
     add("--plots", type=Path, metavar="DIR", help="write PNG plots (needs matplotlib)")

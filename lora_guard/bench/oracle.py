@@ -19,6 +19,7 @@ class OracleRequest:
     prompt: str
     adapter_id: str | None
     max_new_tokens: int
+    ignore_eos: bool = True  # False for a server's outputs, which end at EOS
 
 
 def oracle_tokens(
@@ -33,7 +34,11 @@ def oracle_tokens(
         max_num_seqs=options.max_num_seqs, enable_prefix_caching=False,
         dtype=options.dtype, device=options.device,
     )  # fmt: skip
-    params = [SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=True) for r in requests]
+    # A request the engine cannot take (too long) failed in every scheme too: nothing to compare.
+    limit = llm.engine.max_model_len
+    requests = [r for r in requests if len(llm.engine.encode(r.prompt)) + r.max_new_tokens <= limit]
+    params = [SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=r.ignore_eos)
+              for r in requests]  # fmt: skip
     prompts = [r.prompt for r in requests]
     ids = [r.adapter_id for r in requests]
     if solo:

@@ -29,8 +29,11 @@ def request_tokens_per_s(record: RequestRecord) -> float | None:
     return len(record.tokens) / max(record.finish - record.arrival, 1e-9)
 
 
-def summarize(run: SchemeRun, mismatches: int, static: SchemeRun | None = None) -> dict[str, Any]:
-    """The report's figures for one scheme (keys are the stable JSON names)."""
+def summarize(
+    run: SchemeRun, mismatches: int | None, static: SchemeRun | None = None
+) -> dict[str, Any]:
+    """The report's figures for one scheme (keys are the stable JSON names); None where the run
+    cannot tell (no swaps, no memory accounting against a remote server, no oracle)."""
     done = [r for r in run.records if r.finish is not None and r.error is None]
     speeds = [s for r in done if (s := request_tokens_per_s(r)) is not None]
     ttft = [(r.first_token - r.arrival) * 1000 for r in done if r.first_token is not None]
@@ -47,8 +50,10 @@ def summarize(run: SchemeRun, mismatches: int, static: SchemeRun | None = None) 
         "completed": len(done),
         "failed": sum(r.error is not None for r in run.records),
         "retries": sum(r.retries for r in run.records),
-        "peak_memory_mib": run.memory["total"] / MIB,
-        "peak_memory_ratio": _ratio(run.memory["total"], static.memory["total"] if static else 0),
+        "peak_memory_mib": run.memory["total"] / MIB if run.memory else None,
+        "peak_memory_ratio": _ratio(
+            run.memory.get("total", 0), static.memory.get("total", 0) if static else 0
+        ),
         "peak_rss_mib": run.peak_rss / MIB if run.peak_rss else None,
         "peak_rss_ratio": _ratio(run.peak_rss or 0, static.peak_rss or 0 if static else 0),
         "memory_mib": {k: v / MIB for k, v in run.memory.items()},

@@ -20,6 +20,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
+
 from lora_guard.bench.arguments import QUICK_SPEC, SCHEMES
 from lora_guard.bench.oracle import OracleRequest, oracle_tokens
 from lora_guard.bench.peft_peer import replay_peft
@@ -30,6 +32,7 @@ from lora_guard.bench.replay import (
     replay_scheme,
 )
 from lora_guard.bench.report import markdown_table, summarize
+from lora_guard.bench.target import replay_target
 from lora_guard.bench.workload import (
     TraceError,
     TraceRequest,
@@ -51,54 +54,22 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
               f"{', '.join(SCHEMES)}", file=sys.stderr)  # fmt: skip
         return 2
     with tempfile.TemporaryDirectory(prefix="lora-guard-bench-") as scratch:
-        model, adapter_dir, spec = _model_and_spec(args, Path(scratch))
-        ids = adapter_ids(adapter_dir)
         try:
-            trace = read_trace(args.trace) if args.trace else make_trace(spec, ids)
-        except (TraceError, OSError) as exc:
+            if args.target:
+                runs, mismatches, trace, engine = _against_target(args, started)
+            else:
+                runs, mismatches, trace, engine = _in_process(args, schemes, Path(scratch), started)
+        except (TraceError, OSError, httpx.HTTPError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        missing = sorted({r.adapter_id for r in trace if r.adapter_id} - set(ids))
-        if missing:
-            print(f"error: the trace names adapters not in {adapter_dir}: {', '.join(missing)}",
-                  file=sys.stderr)  # fmt: skip
-            return 2
-        if args.write_trace:
-            write_trace(trace, args.write_trace)
-        used = {r.adapter_id for r in trace if r.adapter_id}
-        options = EngineOptions(
-            model=str(model), adapter_dir=str(adapter_dir),
-            max_loras=args.max_loras if not args.quick else 4,
-            max_lora_rank=args.max_lora_rank,
-            kv_cache_memory=args.kv_cache_memory if not args.quick else "16MiB",
-            cold_loads_per_minute=args.cold_loads_per_minute or max(len(used), 1),
-            dtype=args.dtype, device=args.device,
-        )  # fmt: skip
-        static_adapter = Counter(r.adapter_id for r in trace if r.adapter_id).most_common(1)
-        static_id = static_adapter[0][0] if static_adapter else ids[0]
-        _describe(trace, options, static_id)
-
-        runs: dict[str, SchemeRun] = {}
-        # --quick runs everything here: process start-up would outweigh the tiny model's work.
-        isolated = not args.quick
-        for scheme in schemes:
-            _progress(started, f"replaying {len(trace)} requests on {scheme}")
-            if scheme == "peft":
-                runs[scheme] = _call(isolated, replay_peft, trace, options)
-            else:
-                runs[scheme] = _call(isolated, replay_scheme, scheme, trace, options, static_id)
-        _progress(started, "computing the oracle")
-        mismatches = _oracle_mismatches(runs, trace, options, static_id, isolated)
-        _progress(started, "done")
-
     summaries = {
-        name: summarize(run, mismatches[name], runs.get("static")) for name, run in runs.items()
+        name: summarize(run, mismatches.get(name), runs.get("static")) for name, run in runs.items()
     }
     print(markdown_table(summaries))
     report = {
         "command": "lora-guard " + " ".join(argv),
-        "workload": _workload(trace, static_id),
-        "engine": asdict(options) | {"model": Path(options.model).name},
+        "workload": _workload(trace),
+        "engine": engine,
         "schemes": summaries,
         "duration_s": time.monotonic() - started,
     }
@@ -116,15 +87,96 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 1 if lost else 0
 
 
+Outcome = tuple[dict[str, SchemeRun], dict[str, int], list[TraceRequest], dict[str, Any]]
+
+
+def _in_process(
+    args: argparse.Namespace, schemes: list[str], scratch: Path, started: float
+) -> Outcome:
+    model, adapter_dir, spec = _model_and_spec(args, scratch)
+    ids = adapter_ids(adapter_dir)
+    trace = _trace(args, spec, ids)
+    used = {r.adapter_id for r in trace if r.adapter_id}
+    options = EngineOptions(
+        model=str(model), adapter_dir=str(adapter_dir),
+        max_loras=args.max_loras if not args.quick else 4,
+        max_lora_rank=args.max_lora_rank,
+        kv_cache_memory=args.kv_cache_memory if not args.quick else "16MiB",
+        cold_loads_per_minute=args.cold_loads_per_minute or max(len(used), 1),
+        dtype=args.dtype, device=args.device,
+    )  # fmt: skip
+    popular = Counter(r.adapter_id for r in trace if r.adapter_id).most_common(1)
+    static_id = popular[0][0] if popular else ids[0]
+    _progress(started, f"{_describe(trace)}; {options.max_loras} slots; static serves {static_id}")
+    runs: dict[str, SchemeRun] = {}
+    # --quick runs everything here: process start-up would outweigh the tiny model's work.
+    isolated = not args.quick
+    for scheme in schemes:
+        _progress(started, f"replaying {len(trace)} requests on {scheme}")
+        if scheme == "peft":
+            runs[scheme] = _call(isolated, replay_peft, trace, options)
+        else:
+            runs[scheme] = _call(isolated, replay_scheme, scheme, trace, options, static_id)
+    _progress(started, "computing the oracle")
+    mismatches = _oracle_mismatches(runs, trace, options, static_id, isolated)
+    _progress(started, "done")
+    engine = asdict(options) | {"model": Path(options.model).name, "static_adapter": static_id}
+    return runs, mismatches, trace, engine
+
+
+def _against_target(args: argparse.Namespace, started: float) -> Outcome:
+    """One run against the server at ``--target``; outputs are checked against the oracle when
+    ``--model`` (and ``--adapter-dir``) name the checkpoint that server serves."""
+    with httpx.Client(base_url=args.target.rstrip("/"), timeout=30) as client:
+        listed = client.get("/v1/models").json()["data"]
+        base = client.get("/info").json()["model_id"]
+    ids = sorted(m["id"] for m in listed if m["id"] != base)
+    spec = _spec(args)
+    trace = _trace(args, spec, ids)
+    _progress(started, f"{_describe(trace)}; against {args.target}")
+    run = replay_target(args.target, trace, args.max_loras, args.target_name, args.api_key)
+    mismatches: dict[str, int] = {}
+    if args.model is not None:
+        _progress(started, "computing the oracle")
+        options = EngineOptions(model=str(args.model), adapter_dir=str(args.adapter_dir),
+                                kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
+                                device=args.device)  # fmt: skip
+        wanted = [OracleRequest(r.id, r.prompt, r.adapter_id, r.max_new_tokens, ignore_eos=False)
+                  for r in trace]  # fmt: skip
+        oracle = _call(True, oracle_tokens, wanted, options)
+        mismatches[run.scheme] = sum(
+            1
+            for r in run.records
+            if r.id in oracle and r.error is None and r.tokens != oracle[r.id]
+        )
+    _progress(started, "done")
+    return {run.scheme: run}, mismatches, trace, {"target": args.target, "slots": args.max_loras}
+
+
+def _trace(args: argparse.Namespace, spec: WorkloadSpec, ids: list[str]) -> list[TraceRequest]:
+    trace = read_trace(args.trace) if args.trace else make_trace(spec, ids)
+    missing = sorted({r.adapter_id for r in trace if r.adapter_id} - set(ids))
+    if missing:
+        raise TraceError(f"the trace names adapters that are not served: {', '.join(missing)}")
+    if args.write_trace:
+        write_trace(trace, args.write_trace)
+    return trace
+
+
 def _progress(started: float, what: str) -> None:
     print(f"[{time.monotonic() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
 
 
-def _model_and_spec(args: argparse.Namespace, scratch: Path) -> tuple[Path, Path, WorkloadSpec]:
-    spec = WorkloadSpec(
+def _spec(args: argparse.Namespace) -> WorkloadSpec:
+    return WorkloadSpec(
         adapters=args.adapters, tenants=args.tenants, requests=args.requests, rate=args.rate,
         zipf=args.zipf, output_mean=args.output_mean, seed=args.seed,
+        system_prompt_words=args.system_prompt_words, user_words_mean=args.user_words,
     )  # fmt: skip
+
+
+def _model_and_spec(args: argparse.Namespace, scratch: Path) -> tuple[Path, Path, WorkloadSpec]:
+    spec = _spec(args)
     if args.quick:
         from lora_guard.adapter_maker import make_adapters
         from lora_guard.testing import make_tiny_llama
@@ -189,29 +241,26 @@ def _differing(run: SchemeRun, oracle: dict[str, list[int]], static_id: str) -> 
             continue
         adapter = static_id if run.scheme == "static" else record.adapter_id
         key = f"{record.id}@{adapter}"
-        if record.tokens != oracle[key]:
+        if key in oracle and record.tokens != oracle[key]:
             differing.append(key)
     return differing
 
 
-def _describe(trace: list[TraceRequest], options: EngineOptions, static_id: str) -> None:
-    print(
-        f"trace: {len(trace)} requests over {trace[-1].time:.0f} s, "
-        f"{len({r.adapter_id for r in trace})} adapters, {len({r.tenant for r in trace})} "
-        f"tenants, mean max_new_tokens {_mean([r.max_new_tokens for r in trace]):.0f}; "
-        f"{options.max_loras} slots, static serves {static_id}",
-        file=sys.stderr,
+def _describe(trace: list[TraceRequest]) -> str:
+    w = _workload(trace)
+    return (
+        f"trace: {w['requests']} requests over {w['duration_s']:.0f} s, {w['adapters']} adapters, "
+        f"{w['tenants']} tenants, mean max_new_tokens {w['mean_max_new_tokens']:.0f}"
     )
 
 
-def _workload(trace: list[TraceRequest], static_id: str) -> dict[str, Any]:
+def _workload(trace: list[TraceRequest]) -> dict[str, Any]:
     return {
         "requests": len(trace),
         "duration_s": trace[-1].time,
         "adapters": len({r.adapter_id for r in trace if r.adapter_id}),
         "tenants": len({r.tenant for r in trace}),
         "mean_max_new_tokens": _mean([r.max_new_tokens for r in trace]),
-        "static_adapter": static_id,
     }
 
 

@@ -37,7 +37,7 @@ class WorkloadSpec:
 
     adapters: int = 24
     tenants: int = 6
-    requests: int = 48
+    requests: int = 32
     rate: float = 0.25  # mean arrivals per second outside bursts
     burst_every_s: float = 20.0
     burst_len_s: float = 4.0
