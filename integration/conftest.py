@@ -40,7 +40,7 @@ def fault_plugin_env(hold_file: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def fault_env(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path], dict[str, str]]:
+def fault_env() -> Callable[[Path], dict[str, str]]:
     """``fault_env(hold_file)``: the environment that lets a server load the fault plugin."""
     return fault_plugin_env
 
