@@ -118,6 +118,10 @@ def replay_scheme(
     engine = llm.engine
     if scheme == "static":
         trace = [_served_by(r, static_adapter) for r in trace]
+    _warm_up(llm, trace)
+    swaps_before = len(engine.adapters.stats.swap_ms)
+    conflicts_before = engine.blocks.stats.conflicts
+    cold_before = _cold_load_counts(engine)
     start = time.monotonic()
     recorder = LookupRecorder(start)
     engine.hooks.pm.register(recorder, name="bench-lookups")
@@ -125,15 +129,15 @@ def replay_scheme(
     records = _replay(engine, trace, start, memory)
     duration = time.monotonic() - start
     engine.check_no_leaks()
-    metrics = _cold_load_counts(engine)
+    cold_after = _cold_load_counts(engine)
     run = SchemeRun(
         scheme=scheme,
         records=records,
-        swap_ms=list(engine.adapters.stats.swap_ms),
+        swap_ms=list(engine.adapters.stats.swap_ms[swaps_before:]),
         lookups=recorder.lookups,
         slots=1 if engine.adapters.merged_mode else engine.config.max_loras,
-        kv_conflicts=engine.blocks.stats.conflicts,
-        cold_loads=metrics,
+        kv_conflicts=engine.blocks.stats.conflicts - conflicts_before,
+        cold_loads={k: cold_after[k] - cold_before[k] for k in cold_after},
         memory=memory.peak(),
         peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         duration_s=duration,
@@ -141,6 +145,13 @@ def replay_scheme(
     )
     engine.shutdown()
     return run
+
+
+def _warm_up(llm: LLM, trace: list[TraceRequest]) -> None:
+    """One short request per adapter of the trace, not measured: the scheme starts as a server
+    that has been up a while, not with every adapter's first read from disk."""
+    adapters = list(dict.fromkeys(r.adapter_id for r in trace))
+    llm.generate(["Warm-up."] * len(adapters), SamplingParams(max_new_tokens=1), adapters)
 
 
 def _served_by(request: TraceRequest, adapter: str | None) -> TraceRequest:

@@ -81,7 +81,7 @@ class AdapterManager:
         self.slots = [SlotState() for _ in range(pool.num_slots)]
         self.stats = AdapterStats()
         self._load_started: dict[str, float] = {}  # disk reads under way: perf_counter at start
-        self._read_ms: dict[str, float] = {}  # read from disk, not yet in a slot: read time
+        self._read_ms: dict[str, float] = {}  # read from disk, not yet in a slot: the read's ms
         self._disk_reads: deque[float] = deque()  # monotonic start times, last 10 minutes
         self._waiting_cold: set[str] = set()
 
@@ -246,11 +246,12 @@ class AdapterManager:
         failed = {}
         for adapter_id, result in self.loader.collect():
             started = self._load_started.pop(adapter_id, None)
+            read_ms = self.loader.read_ms.pop(adapter_id, 0.0)
             if isinstance(result, LoRAAdapter):
                 if self.registry.get(adapter_id) == result.path:
                     self.host.put(result)
                     if started is not None:
-                        self._read_ms[adapter_id] = (time.perf_counter() - started) * 1000
+                        self._read_ms[adapter_id] = read_ms
             else:
                 self.stats.failures += 1
                 failed[adapter_id] = result

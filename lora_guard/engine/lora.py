@@ -19,6 +19,7 @@ import json
 import os
 import re
 import stat
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -252,12 +253,18 @@ class AdapterLoader:
         self.spec, self.max_rank = spec, max_rank
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-guard-loader")
         self.pending: dict[str, Future[LoRAAdapter]] = {}
+        self.read_ms: dict[str, float] = {}  # how long each finished read took, queue excluded
 
     def submit(self, adapter_id: str, path: Path, root: Path | None = None) -> None:
         if adapter_id not in self.pending:
-            self.pending[adapter_id] = self._pool.submit(
-                read_adapter, adapter_id, path, self.spec, self.max_rank, root
-            )
+            self.pending[adapter_id] = self._pool.submit(self._read, adapter_id, path, root)
+
+    def _read(self, adapter_id: str, path: Path, root: Path | None) -> LoRAAdapter:
+        started = time.perf_counter()
+        try:
+            return read_adapter(adapter_id, path, self.spec, self.max_rank, root)
+        finally:
+            self.read_ms[adapter_id] = (time.perf_counter() - started) * 1000
 
     def collect(self) -> list[tuple[str, LoRAAdapter | AdapterError]]:
         """Finished loads since the last call: an adapter, or the error that stopped it."""
