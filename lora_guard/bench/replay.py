@@ -139,7 +139,7 @@ def replay_scheme(
         kv_conflicts=engine.blocks.stats.conflicts - conflicts_before,
         cold_loads={k: cold_after[k] - cold_before[k] for k in cold_after},
         memory=memory.peak(),
-        peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        peak_rss=peak_rss_now(),
         duration_s=duration,
         served=[r.adapter_id for r in trace],
     )

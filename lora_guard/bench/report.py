@@ -69,8 +69,7 @@ def summarize(
         "hit_rate": hits / len(run.lookups) if run.lookups else None,
         "belady_hit_rate": belady_hit_rate(served, run.slots) if served else None,
         "slots": run.slots,
-        "cold_load_fail_ratio": cold["rejected"] + cold["failed"]
-        and (cold["rejected"] + cold["failed"]) / attempts,
+        "cold_load_fail_ratio": (cold["rejected"] + cold["failed"]) / attempts if attempts else 0.0,
         "cold_loads": dict(cold),
         "kv_conflicts": run.kv_conflicts,
         "oracle_mismatches": mismatches,

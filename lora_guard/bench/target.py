@@ -9,6 +9,7 @@ cold loads and KV conflicts of the run (as differences from the start).
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -145,20 +146,17 @@ def _record_lookups(
 def _swap_samples(before: Samples, after: Samples) -> list[float]:
     """Swap times rebuilt from the histogram's buckets: each swap at its bucket's midpoint."""
     name = "lora_guard_adapter_swap_ms_bucket"
-    bounds = sorted(float(dict(labels)["le"]) for metric, labels in after if metric == name)
-    samples, below, low = [], 0, 0.0
-    for bound in bounds:
-        le = "+Inf" if bound == float("inf") else _le(after, name, bound)
+    buckets = sorted(
+        (float(value), value)
+        for metric, labels in after
+        if metric == name
+        for key, value in labels
+        if key == "le"
+    )
+    samples: list[float] = []
+    below, low = 0, 0.0
+    for bound, le in buckets:
         count = int(_delta(before, after, name, le=le))
-        mid = low if bound == float("inf") else (low + bound) / 2
-        samples += [mid] * (count - below)
+        samples += [low if math.isinf(bound) else (low + bound) / 2] * (count - below)
         below, low = count, bound
     return samples
-
-
-def _le(samples: Samples, name: str, bound: float) -> str:
-    for metric, labels in samples:
-        le = dict(labels).get("le")
-        if metric == name and le is not None and float(le) == bound:
-            return le
-    raise KeyError(bound)
