@@ -11,6 +11,7 @@ import torch
 
 from lora_guard.bench.replay import EngineOptions, RequestRecord, SchemeRun, peak_rss_now
 from lora_guard.bench.workload import TraceRequest
+from lora_guard.engine.llm_engine import encode_text
 
 MAX_BATCH = 32
 _BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
@@ -68,7 +69,7 @@ def replay_peft(trace: list[TraceRequest], options: EngineOptions) -> SchemeRun:
             continue
         batch = [r for r in queue if r.time <= now][:MAX_BATCH]
         queue = [r for r in queue if r not in batch]
-        prompts = [_encode(tokenizer, r.prompt) for r in batch]
+        prompts = [encode_text(tokenizer, r.prompt) for r in batch]
         width = max(len(p) for p in prompts)
         new = max(r.max_new_tokens for r in batch)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
@@ -108,9 +109,3 @@ def replay_peft(trace: list[TraceRequest], options: EngineOptions) -> SchemeRun:
         duration_s=duration,
         served=[r.adapter_id for r in trace],
     )
-
-
-def _encode(tokenizer: Any, prompt: str) -> list[int]:
-    # As the engine encodes a text prompt (no second BOS on a templated prompt).
-    bos = tokenizer.bos_token
-    return list(tokenizer.encode(prompt, add_special_tokens=not (bos and prompt.startswith(bos))))

@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -215,10 +216,7 @@ class LLMEngine:
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            # A chat-templated prompt already starts with the BOS text; do not add a second one.
-            bos = self.tokenizer.bos_token
-            templated = bool(bos) and prompt.startswith(bos)
-            return list(self.tokenizer.encode(prompt, add_special_tokens=not templated))
+            return encode_text(self.tokenizer, prompt)
         return [int(t) for t in prompt]
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -358,6 +356,14 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.adapters.loader.shutdown()
+
+
+def encode_text(tokenizer: Any, prompt: str) -> list[int]:
+    """Token ids of a text prompt as the engine reads it: a chat-templated prompt already starts
+    with the BOS text, so no second one is added."""
+    bos = tokenizer.bos_token
+    templated = bool(bos) and prompt.startswith(bos)
+    return list(tokenizer.encode(prompt, add_special_tokens=not templated))
 
 
 def _eos_ids(config: object, tokenizer: object) -> set[int]:
