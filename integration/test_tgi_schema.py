@@ -1,7 +1,7 @@
 """The TGI routes answer what TGI's OpenAPI contract says, and no request body makes them fail.
 
-Answers are validated against the schemas of the shared contract ``contracts/tgi-openapi.json``
-(found next to the repository, or named by ``TGI_OPENAPI_CONTRACT``). Then hypothesis sends a
+Answers are validated against the schemas of TGI's contract, vendored in
+``integration/contracts/tgi-openapi.json`` (or the copy ``TGI_OPENAPI_CONTRACT`` names). Then hypothesis sends a
 few hundred well- and ill-formed bodies to the generation routes of a server of its own (it may
 kill it, and must not take the session's server down with it): no answer may be a 5xx, every
 error must have TGI's error body, every 200 must validate, and the server must stay healthy.
@@ -36,16 +36,13 @@ TIMEOUT = httpx.Timeout(60.0)
 # -- the contract, and a validator for the OpenAPI 3.0 subset it uses -------------------------
 
 
-def _contract_path() -> Path | None:
+VENDORED_CONTRACT = Path(__file__).resolve().parent / "contracts" / "tgi-openapi.json"
+
+
+def _contract_path() -> Path:
+    """The vendored contract (integration/contracts/README.md), or the one TGI_OPENAPI_CONTRACT names."""
     named = os.environ.get("TGI_OPENAPI_CONTRACT")
-    root = Path(__file__).resolve().parents[1]
-    candidates = [Path(named)] if named else []
-    candidates += [root / "shared", root.parent / "shared"]
-    for candidate in candidates:
-        path = candidate / "contracts" / "tgi-openapi.json" if candidate.is_dir() else candidate
-        if path.is_file():
-            return path
-    return None
+    return Path(named) if named else VENDORED_CONTRACT
 
 
 _ANNOTATIONS = frozenset(
@@ -288,11 +285,8 @@ def answer_problems(contract: Contract, route: str, r: httpx.Response) -> list[P
 @pytest.fixture(scope="module")
 def contract() -> Contract:
     path = _contract_path()
-    if path is None:
-        pytest.fail(
-            "TGI's contract (shared/contracts/tgi-openapi.json beside the repository) was not "
-            "found; set TGI_OPENAPI_CONTRACT to its path"
-        )
+    if not path.is_file():
+        pytest.fail(f"TGI's contract was not found at {path}")
     return Contract(json.loads(path.read_text()))
 
 
