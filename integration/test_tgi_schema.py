@@ -1,10 +1,11 @@
 """The TGI routes answer what TGI's OpenAPI contract says, and no request body makes them fail.
 
 Answers are validated against the schemas of TGI's contract, vendored in
-``integration/contracts/tgi-openapi.json`` (or the copy ``TGI_OPENAPI_CONTRACT`` names). Then hypothesis sends a
-few hundred well- and ill-formed bodies to the generation routes of a server of its own (it may
-kill it, and must not take the session's server down with it): no answer may be a 5xx, every
-error must have TGI's error body, every 200 must validate, and the server must stay healthy.
+``integration/contracts/tgi-openapi.json`` (or the copy ``TGI_OPENAPI_CONTRACT`` names). Then
+hypothesis sends a few hundred well- and ill-formed bodies to the generation routes of a server
+of its own (it may kill it, and must not take the session's server down with it): no answer may
+be a 5xx, every error must have TGI's error body, every 200 must validate, and the server must
+stay healthy.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ VENDORED_CONTRACT = Path(__file__).resolve().parent / "contracts" / "tgi-openapi
 
 
 def _contract_path() -> Path:
-    """The vendored contract (integration/contracts/README.md), or the one TGI_OPENAPI_CONTRACT names."""
+    """The vendored contract (see integration/contracts/README.md), or TGI_OPENAPI_CONTRACT's."""
     named = os.environ.get("TGI_OPENAPI_CONTRACT")
     return Path(named) if named else VENDORED_CONTRACT
 

@@ -33,6 +33,8 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10
     import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
 
+from lora_guard.engine.lora.registry import scan_adapter_dir as registry_scan
+from lora_guard.engine.lora.registry import valid_adapter_id
 from lora_guard.plugins.manager import (
     ALWAYS_ON_PLUGINS,
     DEFAULT_POLICIES,
@@ -52,7 +54,6 @@ PROG = "lora-guard serve"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
-_ADAPTER_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 _DTYPES = {
     "auto": "auto",
@@ -132,6 +133,16 @@ def _dtype(text: str) -> str:
     return _DTYPES[value]
 
 
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
 def _policies(text: str) -> tuple[str, ...]:
     try:
         chosen = parse_policies(text)
@@ -166,7 +177,7 @@ def _adapter(text: str) -> tuple[str, Path]:
 def check_adapter_name(name: str) -> str:
     """``name`` if it is a valid adapter id (letters, digits, ``-``, ``_``, ``.``), else
     ValueError."""
-    if not _ADAPTER_NAME.fullmatch(name) or set(name) == {"."}:
+    if not valid_adapter_id(name):
         raise ValueError(
             f"adapter name {name!r} may hold only letters, digits, '-', '_' and '.' "
             "(and not only dots)"
@@ -281,10 +292,20 @@ SETTINGS: tuple[Setting, ...] = (
             metavar="N", group="engine"),
     Setting("max_cpu_loras", _int_at_least(1), 32, "adapters kept in host memory (raised to "
             "--max-loras when left at its default)", metavar="N", group="engine"),
-    Setting("max_lora_rank", _int_at_least(1), 64, "largest adapter rank accepted; slots are "
-            "padded to it", metavar="N", group="engine"),
-    Setting("kv_cache_memory", _memory, None, "size of the KV block pool, bytes or e.g. 512MiB, "
-            "2GB", metavar="SIZE", default_text="a quarter of free memory", group="engine"),
+    Setting("max_lora_rank", _int_at_least(1), 64, "largest adapter rank accepted (adapters "
+            "take pages for their own rank, never this one)", metavar="N", group="engine"),
+    Setting("cache_memory", _memory, None, "size of the one cache pool that KV blocks and "
+            "adapter weights share, bytes or e.g. 512MiB, 2GB", metavar="SIZE",
+            default_text="--kv-cache-memory, else a quarter of free memory", group="engine"),
+    Setting("kv_cache_memory", _memory, None, "the cache pool's size under its former name "
+            "(used when --cache-memory is not given)", metavar="SIZE",
+            default_text="a quarter of free memory", group="engine"),
+    Setting("residency_quantum_ms", _int_at_least(0), 1000, "an adapter that requests still "
+            "need stays in the pool at least this long after its load (no thrash)",
+            metavar="MS", group="engine"),
+    Setting("lora_compute", _choice("loop", "batched"), "loop", "how a step computes the LoRA "
+            "updates: loop (per adapter segment) or batched (one gathered batched matmul per "
+            "projection)", metavar="MODE", group="engine"),
     Setting("block_size", _power_of_two, 16, "tokens per KV block (a power of two)",
             metavar="N", group="engine"),
     Setting("no_prefix_caching", parse_bool, False, "do not reuse KV blocks of shared prefixes",
@@ -372,7 +393,10 @@ class ServeSettings:
     max_loras: int
     max_cpu_loras: int
     max_lora_rank: int
+    cache_memory: int | None
     kv_cache_memory: int | None
+    residency_quantum_ms: int
+    lora_compute: str
     block_size: int
     no_prefix_caching: bool
     max_batch_tokens: int
@@ -417,7 +441,10 @@ class ServeSettings:
             "max_loras": self.max_loras,
             "max_cpu_loras": self.max_cpu_loras,
             "max_lora_rank": self.max_lora_rank,
+            "cache_memory": self.cache_memory,
             "kv_cache_memory": self.kv_cache_memory,
+            "residency_quantum_ms": self.residency_quantum_ms,
+            "lora_compute": self.lora_compute,
             "block_size": self.block_size,
             "enable_prefix_caching": self.enable_prefix_caching,
             "max_batch_tokens": self.max_batch_tokens,
@@ -436,7 +463,9 @@ class ServeSettings:
             "max_loras": self.max_loras,
             "max_cpu_loras": self.max_cpu_loras,
             "max_lora_rank": self.max_lora_rank,
+            "cache_memory": self.cache_memory,
             "kv_cache_memory": self.kv_cache_memory,
+            "residency_quantum_ms": self.residency_quantum_ms,
             "block_size": self.block_size,
             "enable_prefix_caching": self.enable_prefix_caching,
             "max_batch_tokens": self.max_batch_tokens,
@@ -460,16 +489,10 @@ class ServeSettings:
 
 
 def scan_adapter_dir(folder: Path) -> dict[str, Path]:
-    """``{folder name: path}`` of the subfolders of ``folder`` that hold a PEFT adapter (a link
-    leading outside ``folder`` is left out)."""
-    root = folder.expanduser()
+    """``{id: path}`` of the adapters in ``folder`` (the registry's scan: valid ids only, a link
+    leading outside ``folder`` left out)."""
     try:
-        return {
-            sub.name: sub
-            for sub in sorted(root.iterdir())
-            if (sub / "adapter_config.json").is_file()
-            and sub.resolve().is_relative_to(root.resolve())
-        }
+        return dict(registry_scan(folder.expanduser()))
     except OSError as exc:
         raise SettingsError(f"--adapter-dir {folder}: cannot list it: {exc.strerror}") from None
 

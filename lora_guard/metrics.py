@@ -105,8 +105,28 @@ class MetricsPlugin:
         )
         self.adapter_swap_ms = Histogram(
             "lora_guard_adapter_swap_ms",
-            "Milliseconds from the start of an adapter load to its device slot being ready.",
+            "Milliseconds an adapter load took: the read from disk (on the loader thread) plus "
+            "the copy into the cache pool.",
             buckets=SWAP_MS_BUCKETS,
+            registry=reg,
+        )
+        self.adapter_wait_ms = Histogram(
+            "lora_guard_adapter_wait_ms",
+            "Milliseconds from when a request first needed its adapter (at admission, or when "
+            "parked) to when it was usable; 0 when it was resident.",
+            buckets=(0, *SWAP_MS_BUCKETS),
+            registry=reg,
+        )
+        self.cache_pool_bytes = Gauge(
+            "lora_guard_cache_pool_bytes",
+            "Bytes of the one cache pool by kind: kv (blocks in use), adapter (adapter pages), "
+            "free.",
+            ["kind"],
+            registry=reg,
+        )
+        self.requests_parked = Gauge(
+            "lora_guard_requests_parked",
+            "Running requests waiting, KV kept, for their adapter to come back into the pool.",
             registry=reg,
         )
         self.cold_loads = Counter(
@@ -136,13 +156,14 @@ class MetricsPlugin:
         )
         self.adapter_resident = Gauge(
             "lora_guard_adapter_resident",
-            "1 for each adapter in a device slot (tier=device) or only in host memory (tier=host).",
+            "1 for each adapter in the cache pool (tier=device) or only in host memory "
+            "(tier=host).",
             ["adapter_id", "tier", "pinned"],
             registry=reg,
         )
         self.memory_watermark = Gauge(
             "lora_guard_memory_watermark",
-            "Share of the KV block pool in use, 0 to 1.",
+            "Share of the cache pool in use (KV blocks and adapter pages), 0 to 1.",
             registry=reg,
         )
         # vLLM's names, for routers that already read them.
@@ -252,6 +273,10 @@ class MetricsPlugin:
             self.cold_window.add(False)
 
     @hookimpl
+    def lora_guard_adapter_ready(self, wait_ms: float) -> None:
+        self.adapter_wait_ms.observe(wait_ms)
+
+    @hookimpl
     def lora_guard_adapter_load_failed(self) -> None:
         self.cold_loads.labels(outcome="failed").inc()
         self.cold_window.add(True)
@@ -292,6 +317,9 @@ class MetricsPlugin:
         self.vllm_num_requests_waiting.set(state.num_waiting)
         self.tgi_queue_size.set(state.num_waiting)
         self.tgi_batch_current_size.set(state.num_running)
+        for kind, nbytes in state.pool_bytes.items():
+            self.cache_pool_bytes.labels(kind=kind).set(nbytes)
+        self.requests_parked.set(state.num_parked)
         self._update_resident(state)
         self._update_lora_info(state)
 

@@ -92,7 +92,7 @@ def test_a_workload_shows_in_the_metrics(tiny_model: Path, adapters: dict[str, P
     assert 0 < rate < 1
     assert rate == pytest.approx(lookups["hot"] / sum(lookups.values()))
 
-    in_slots = {slot.adapter_id for slot in llm.engine.adapters.slots if slot.adapter_id}
+    in_slots = {entry.adapter_id for entry in llm.engine.adapters.residents()}
     in_host = set(llm.engine.adapters.host.entries) - in_slots
     resident = _labelsets(s, "lora_guard_adapter_resident")
     assert {r["adapter_id"] for r in resident if r["tier"] == "device"} == in_slots
@@ -153,6 +153,7 @@ class _RejectCold:
 def test_a_rejected_cold_load_is_counted(tiny_model: Path, adapters: dict[str, Path]) -> None:
     llm = _llm(tiny_model, adapters)
     llm.engine.hooks.pm.register(_RejectCold(), name="reject-cold")
+    llm.engine.scheduler.reject_when_busy = True  # as a server's engine: busy answers fail
     out = llm.generate("Hello", PARAMS, sorted(adapters)[0])[0]
     assert out.retry_after == 1.0
     s = _samples(llm)

@@ -236,6 +236,7 @@ def test_reject_fails_that_request_only(tiny_model: Path, adapters: dict[str, Pa
             return Reject("busy", 2.5) if request.adapter_id == "pl-00" else None
 
     llm = _llm(tiny_model, adapters)
+    llm.engine.scheduler.reject_when_busy = True  # as a server's engine: busy answers fail
     with Registered(llm, RejectAdapter()):
         rejected, base = llm.generate([PROMPT, PROMPT], PARAMS, ["pl-00", None])
     assert (rejected.finish_reason, rejected.error, rejected.retry_after) == ("error", "busy", 2.5)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from lora_guard.engine import LLM, SamplingParams
+from lora_guard.engine.lora.registry import scan_adapter_dir
 
 
 @dataclass
@@ -139,10 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model, args.adapter_dir = demo.model_dir, args.adapter_dir or demo.adapter_dir
     if args.adapter_dir is None:
         parser.error("--adapter-dir is needed with --model")
-    names = sorted(
-        p.name for p in args.adapter_dir.iterdir() if (p / "adapter_config.json").is_file()
-    )
-    names = names[: args.adapters]
+    names = [adapter_id for adapter_id, _ in scan_adapter_dir(args.adapter_dir)][: args.adapters]
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.device(args.device)
 

@@ -17,6 +17,7 @@ from typing import Any
 from lora_guard.bench.workload import TraceRequest
 from lora_guard.engine import LLM, SamplingParams
 from lora_guard.engine.llm_engine import LLMEngine, RequestError
+from lora_guard.engine.lora.registry import scan_adapter_dir
 from lora_guard.plugins import hookimpl
 from lora_guard.plugins.state import RequestView
 
@@ -210,18 +211,16 @@ def _replay(
 
 
 class MemoryWatch:
-    """The engine's memory by its own accounting: weights, adapter slots, the KV pool, and the
-    copies a merge keeps or makes (the largest seen)."""
+    """The engine's memory by its own accounting: weights, the cache pool (KV blocks and adapter
+    pages share it), and the copies a merge keeps or makes (the largest seen)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         model = engine.model
         self.fixed = {
             "weights": model.weight_bytes(),
-            "adapter_slots": engine.slot_pool.nbytes(),
-            "kv_pool": sum(t.numel() * t.element_size() for t in (engine.kv_cache.k,
-                                                                   engine.kv_cache.v)),
-        }  # fmt: skip
+            "cache_pool": engine.pool.nbytes(),
+        }
         self.merge_copies = 0
         self.merge_delta = 0
         if engine.adapters.merged_mode:
@@ -260,6 +259,5 @@ def peak_rss_now() -> int:
 
 
 def adapter_ids(adapter_dir: str | Path) -> list[str]:
-    """Adapter ids in a folder of adapters: subfolders with an adapter_config.json, sorted."""
-    folder = Path(adapter_dir)
-    return sorted(p.name for p in folder.iterdir() if (p / "adapter_config.json").is_file())
+    """Adapter ids in a folder of adapters (the registry's scan), sorted."""
+    return [adapter_id for adapter_id, _ in scan_adapter_dir(Path(adapter_dir))]

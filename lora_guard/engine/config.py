@@ -13,7 +13,7 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_KV_SHARE = 0.25  # of free memory, when kv_cache_memory is not given
+DEFAULT_CACHE_SHARE = 0.25  # of free memory, when no cache size is given
 
 
 class ConfigError(ValueError):
@@ -77,7 +77,10 @@ class EngineConfig:
     max_loras: int = 8
     max_cpu_loras: int = 32
     max_lora_rank: int = 64
+    cache_memory: int | str | None = None
     kv_cache_memory: int | str | None = None
+    residency_quantum_ms: int = 1000
+    lora_compute: str = "loop"
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_batch_tokens: int = 2048
@@ -87,6 +90,7 @@ class EngineConfig:
     device: str | torch.device | None = None
     lora_mode: str = "slots"
     static_adapter: str | None = None
+    reject_when_busy: bool = True  # False: a policy's "busy" makes a request wait (LLM.generate)
 
     def __post_init__(self) -> None:
         if self.lora_mode not in ("slots", "merged"):
@@ -107,6 +111,12 @@ class EngineConfig:
             raise ConfigError("max_num_seqs must be at least 1")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory(self.kv_cache_memory)
+        if self.cache_memory is not None:
+            self.cache_memory = parse_memory(self.cache_memory)
+        if self.residency_quantum_ms < 0:
+            raise ConfigError("residency_quantum_ms must be at least 0")
+        if self.lora_compute not in ("loop", "batched"):
+            raise ConfigError(f"lora_compute must be loop or batched, not {self.lora_compute!r}")
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
 
@@ -120,7 +130,9 @@ class EngineConfig:
         assert isinstance(self.dtype, torch.dtype)
         return self.dtype
 
-    def kv_cache_bytes(self) -> int:
-        if self.kv_cache_memory is not None:
-            return int(self.kv_cache_memory)
-        return int(free_memory(self.torch_device) * DEFAULT_KV_SHARE)
+    def cache_bytes(self) -> int:
+        """The cache pool's size: KV blocks and adapter weights share it."""
+        for size in (self.cache_memory, self.kv_cache_memory):
+            if size is not None:
+                return int(size)
+        return int(free_memory(self.torch_device) * DEFAULT_CACHE_SHARE)

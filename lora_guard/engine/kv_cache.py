@@ -7,12 +7,16 @@ that computed it (base model id, adapter id, adapter content hash). Every hit is
 and namespace must match, and a hit whose scope differs from the request's is a conflict, counted
 and refused unless ``may_reuse`` allows it (an explicit observe mode that shows the hazard). Free
 blocks that still hold cached content are reused least-recently-freed first.
+
+The blocks are the pages of the cache pool (``engine/lora/pool.py``): pages that hold adapter
+weights are reserved here, out of the KV's reach, and a KV block in a page an adapter needs is
+moved to another page (``claim``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -97,9 +101,13 @@ class BlockManager:
 
     def __post_init__(self) -> None:
         self.blocks = [Block(i) for i in range(self.num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(self.num_blocks))
+        # Highest pages first: adapter weights take pages from the bottom of the pool up.
+        self._free: OrderedDict[int, None] = OrderedDict(
+            (i, None) for i in reversed(range(self.num_blocks))
+        )
         self.cached: dict[int, int] = {}
         self.pending_copies: list[tuple[int, int]] = []
+        self.reserved: set[int] = set()  # pages holding adapter weights
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,7 +115,61 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        """KV blocks held by sequences (adapter pages not counted)."""
+        return self.num_blocks - len(self._free) - len(self.reserved)
+
+    # pages for adapters
+    def claim(self, pages: Iterable[int], holders: Iterable[Sequence]) -> list[tuple[int, int]]:
+        """Reserve ``pages`` for adapter weights. A KV block in use there moves to a free page
+        (``holders``' block tables follow it); returns the (from, to) page copies to make before
+        the pages are written. The caller checks that enough pages are free."""
+        assert not self.pending_copies, "claim pages before this step's copies are planned"
+        wanted = list(pages)
+        in_use = []
+        for page in wanted:
+            assert page not in self.reserved, f"page {page} is reserved already"
+            if self.blocks[page].ref_count == 0:
+                self._forget(page)
+                del self._free[page]
+                self.reserved.add(page)
+            else:
+                in_use.append(page)
+        assert len(in_use) <= len(self._free), "not enough free pages to move KV blocks"
+        moves = []
+        tables = [seq.block_table for seq in holders]
+        for page in in_use:
+            dst, _ = self._free.popitem(last=False)
+            self._forget(dst)
+            old, new = self.blocks[page], self.blocks[dst]
+            new.ref_count, new.key, new.token_ids = old.ref_count, old.key, old.token_ids
+            new.namespace, new.scope = old.namespace, old.scope
+            if old.key is not None and self.cached.get(old.key) == page:
+                self.cached[old.key] = dst
+            self.blocks[page] = Block(page)
+            for table in tables:
+                for i, block_id in enumerate(table):
+                    if block_id == page:
+                        table[i] = dst
+            self.reserved.add(page)
+            moves.append((page, dst))
+        return moves
+
+    def release_pages(self, pages: Iterable[int]) -> None:
+        """Give pages that held adapter weights back to the KV."""
+        for page in pages:
+            self.reserved.remove(page)
+            self._free[page] = None
+
+    def demote(self, scope_matches: Callable[[Hashable], bool]) -> None:
+        """Make the free cached blocks whose scope matches the first to be reused."""
+        for block_id in [b for b in self._free if scope_matches(self.blocks[b].scope)]:
+            self._free.move_to_end(block_id, last=False)
+
+    def _forget(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.key is not None and self.cached.get(block.key) == block_id:
+            del self.cached[block.key]
+        block.key, block.token_ids, block.namespace, block.scope = None, (), None, None
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -221,9 +283,6 @@ class BlockManager:
 
     def _fresh_block(self) -> int:
         block_id, _ = self._free.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.key is not None and self.cached.get(block.key) == block_id:
-            del self.cached[block.key]
-        block.key, block.token_ids, block.namespace, block.scope = None, (), None, None
-        block.ref_count = 1
+        self._forget(block_id)
+        self.blocks[block_id].ref_count = 1
         return block_id

@@ -25,10 +25,15 @@ class LLM:
     :param model: Hugging Face checkpoint folder (safetensors weights, tokenizer).
     :param adapter_dir: folder whose subfolders are PEFT adapters; the id is the folder name.
     :param adapters: more adapters, ``{id: folder}``.
-    :param max_loras: device slots (adapters resident at once).
+    :param max_loras: seats in the cache pool (adapters resident at once).
     :param max_cpu_loras: adapters kept in host memory.
-    :param max_lora_rank: largest rank accepted; slots are padded to it.
-    :param kv_cache_memory: KV pool size, bytes or a string such as ``"512MiB"``.
+    :param max_lora_rank: largest rank accepted (an adapter takes pages for its own rank).
+    :param cache_memory: size of the cache pool that KV blocks and adapter weights share, bytes
+        or a string such as ``"512MiB"``.
+    :param kv_cache_memory: the same, under its former name (used when ``cache_memory`` is None).
+    :param residency_quantum_ms: an adapter that requests still need stays in the pool at least
+        this long after its load.
+    :param lora_compute: ``"loop"`` (per adapter segment) or ``"batched"``.
     :param block_size: tokens per KV block.
     :param enable_prefix_caching: reuse KV blocks of shared prefixes within one namespace.
     :param dtype: ``float32``, ``bfloat16`` or ``float16`` (default: float32 on CPU).
@@ -52,7 +57,10 @@ class LLM:
         max_loras: int = 8,
         max_cpu_loras: int = 32,
         max_lora_rank: int = 64,
+        cache_memory: int | str | None = None,
         kv_cache_memory: int | str | None = None,
+        residency_quantum_ms: int = 1000,
+        lora_compute: str = "loop",
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         max_batch_tokens: int = 2048,
@@ -79,7 +87,11 @@ class LLM:
             max_loras=max_loras,
             max_cpu_loras=max(max_cpu_loras, max_loras),
             max_lora_rank=max_lora_rank,
+            cache_memory=cache_memory,
             kv_cache_memory=kv_cache_memory,
+            residency_quantum_ms=residency_quantum_ms,
+            lora_compute=lora_compute,
+            reject_when_busy=False,
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,
             max_batch_tokens=max_batch_tokens,
@@ -107,7 +119,8 @@ class LLM:
         """Run every prompt to completion; outputs come back in the order of ``prompts``.
 
         A prompt is a string or a list of token ids. ``adapter_ids[i]`` names the adapter of
-        prompt ``i`` (None: the base model); one string applies to every prompt.
+        prompt ``i`` (None: the base model); one string applies to every prompt. No prompt is
+        dropped for a policy: where a server would answer "busy, retry later", a batch waits.
         """
         batch: list[str | list[int]]
         if isinstance(prompts, str) or (
@@ -158,7 +171,12 @@ def build_engine(
         static_adapter=static_adapter if "static" in policies else None,
     )
     hooks.configure({**asdict(engine_config), **settings})
-    return LLMEngine(engine_config, adapters=adapters, adapter_dir=adapter_dir, hooks=hooks)
+    engine = LLMEngine(engine_config, adapters=adapters, adapter_dir=adapter_dir, hooks=hooks)
+    pinned = settings.get("pin") or ()
+    if isinstance(pinned, str):
+        pinned = [p.strip() for p in pinned.split(",") if p.strip()]
+    engine.adapters.pinned = frozenset(pinned)
+    return engine
 
 
 def _per_prompt(value: Any, n: int, default: Any) -> list[Any]:

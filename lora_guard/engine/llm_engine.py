@@ -11,10 +11,13 @@ from typing import Any
 
 import torch
 
-from lora_guard.engine.adapter_manager import AdapterManager
 from lora_guard.engine.config import ConfigError, EngineConfig
-from lora_guard.engine.kv_cache import Block, BlockManager, KVCache
-from lora_guard.engine.lora import AdapterLoader, HostCache, LoRAAdapter, SlotPool, read_adapter
+from lora_guard.engine.kv_cache import Block, BlockManager
+from lora_guard.engine.lora.checkpoint import LoRAAdapter, read_adapter
+from lora_guard.engine.lora.loader import AdapterLoader, HostCache
+from lora_guard.engine.lora.pool import CachePool
+from lora_guard.engine.lora.registry import AdapterRegistry
+from lora_guard.engine.lora.residency import ResidencyManager
 from lora_guard.engine.model import LlamaModel
 from lora_guard.engine.runner import ModelRunner
 from lora_guard.engine.sampling import SamplerInput, SamplingParams, sample
@@ -77,61 +80,50 @@ class LLMEngine:
         )
         self.eos_token_ids = _eos_ids(self.model.config, self.tokenizer)
 
-        per_block = KVCache.bytes_per_block(
-            spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, config.torch_dtype
-        )
-        num_blocks = config.kv_cache_bytes() // per_block
-        if num_blocks < MIN_KV_BLOCKS:
+        page_bytes = CachePool.page_bytes(spec, config.block_size, config.torch_dtype)
+        num_pages = config.cache_bytes() // page_bytes
+        merged = config.lora_mode == "merged"
+        if num_pages < MIN_KV_BLOCKS:
             raise ConfigError(
-                f"kv_cache_memory {config.kv_cache_bytes()} bytes holds {num_blocks} blocks of "
-                f"{per_block} bytes; at least {MIN_KV_BLOCKS} are needed"
+                f"the cache pool ({config.cache_bytes()} bytes) holds {num_pages} pages of "
+                f"{page_bytes} bytes; at least {MIN_KV_BLOCKS} are needed"
             )
-        limits = [spec.max_position_embeddings, num_blocks * config.block_size]
+        limits = [spec.max_position_embeddings, num_pages * config.block_size]
         if config.max_model_len:
             limits.append(config.max_model_len)
         if spec.sliding_window:
             limits.append(spec.sliding_window)
         self.max_model_len = min(limits)
-        self.kv_cache = KVCache.zeros(
-            spec.num_layers, num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
-            config.torch_dtype, config.torch_device,
-        )  # fmt: skip
-        self.blocks = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, self._may_reuse
+        self.pool = CachePool(
+            spec, num_pages, config.block_size, config.torch_dtype, config.torch_device
         )
-        merged = config.lora_mode == "merged"
-        self.slot_pool = SlotPool(
-            spec, 0 if merged else config.max_loras, config.max_lora_rank, config.torch_dtype,
-            config.torch_device,
-        )  # fmt: skip
-        self.adapters = AdapterManager(
-            self.slot_pool,
+        self.kv_cache = self.pool.kv
+        self.blocks = BlockManager(
+            num_pages, config.block_size, config.enable_prefix_caching, self._may_reuse
+        )
+        self.adapters = ResidencyManager(
+            None if merged else self.pool,
+            self.blocks,
             HostCache(config.max_cpu_loras),
             AdapterLoader(spec, config.max_lora_rank),
+            AdapterRegistry(),
+            max_loras=config.max_loras,
+            quantum_s=config.residency_quantum_ms / 1000,
             events=self.hooks,
             merge=self._merge if merged else None,
         )
         if adapter_dir is not None:
-            root = Path(adapter_dir).expanduser()
-            for folder in sorted(root.iterdir()):
-                if not (folder / "adapter_config.json").is_file():
-                    continue
-                if not folder.resolve().is_relative_to(root.resolve()):
-                    log.warning(
-                        "adapter %s links outside %s: not served (name it with --adapter "
-                        "NAME=PATH to serve it)", folder.name, root,
-                    )  # fmt: skip
-                    continue
-                self.adapters.register(folder.name, folder, root=root)
+            self.adapters.registry.add_dir(Path(adapter_dir).expanduser())
         for adapter_id, path in (adapters or {}).items():
             self.adapters.register(adapter_id, Path(path).expanduser())
         if config.static_adapter is not None:
             self._merge_static(config.static_adapter)
         self.scheduler = Scheduler(
             self.blocks, self.adapters, self.bind_cache, config.max_batch_tokens,
-            config.max_num_seqs, self.hooks,
+            config.max_num_seqs, self.hooks, reject_when_busy=config.reject_when_busy,
+            page_bytes=page_bytes,
         )  # fmt: skip
-        self.runner = ModelRunner(self.model, self.kv_cache, self.slot_pool, config.block_size)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, config.lora_compute)
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
 
@@ -144,14 +136,14 @@ class LLMEngine:
 
     def _merge_static(self, adapter_id: str) -> None:
         """The static baseline: one adapter merged for good before serving starts."""
-        if not self.adapters.knows(adapter_id):
+        entry = self.adapters.registry.get(adapter_id)
+        if entry is None:
             raise ConfigError(f"static adapter {adapter_id!r} is not among the adapters")
-        path = self.adapters.registry[adapter_id]
-        adapter = read_adapter(adapter_id, path, self.model.spec, self.config.max_lora_rank)
+        adapter = read_adapter(adapter_id, entry.path, self.model.spec, self.config.max_lora_rank)
         self.adapters.host.put(adapter)
-        binding = self.adapters.acquire(adapter_id)
+        binding = self.adapters.acquire_merged(adapter_id)
         assert binding is not None
-        self.adapters.release(binding.slot)
+        self.adapters.release_merged()
 
     def bind_cache(self, seq: Sequence, content_hash: str | None) -> None:
         """Set ``seq``'s prefix-cache scope (the weights its KV is computed under) and namespace
@@ -235,6 +227,12 @@ class LLMEngine:
 
     # the step
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        finally:
+            self.adapters.end_step()
+
+    def _step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         outputs = []
@@ -350,8 +348,13 @@ class LLMEngine:
         """Raise AssertionError unless the engine is idle and holds no block and no slot."""
         assert not self.requests, f"{len(self.requests)} requests are still in the engine"
         assert self.blocks.num_used_blocks == 0, f"{self.blocks.num_used_blocks} KV blocks leaked"
-        held = self.adapters.num_held_slots()
-        assert held == 0, f"{held} adapter slot references leaked"
+        held = self.adapters.merged_refs + sum(e.in_step for e in self.adapters.residents())
+        assert held == 0, f"{held} adapter references leaked"
+        pages = sum(e.num_pages for e in self.adapters.residents())
+        assert pages == self.adapters.top == len(self.blocks.reserved), (
+            f"adapter pages leaked: {pages} in residents, top {self.adapters.top}, "
+            f"{len(self.blocks.reserved)} reserved"
+        )
         assert not self.scheduler.has_work(), "scheduler still holds sequences"
 
     def shutdown(self) -> None:

@@ -2,7 +2,7 @@
 
 One forward runs the tokens of many sequences at once: prefill chunks and single-token decodes,
 each sequence possibly under its own LoRA adapter. Attention reads and writes the paged KV cache;
-the LoRA update of every projection is added per group of tokens that share an adapter slot.
+the LoRA update of every projection is added by the step's ``LoraBatch`` (``engine/lora/compute``).
 """
 
 from __future__ import annotations
@@ -11,11 +11,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+
+if TYPE_CHECKING:
+    from lora_guard.engine.lora.compute import LoraBatch
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # Each fused projection and the PEFT module names it is made of, in output order.
@@ -111,15 +114,6 @@ class ModelSpec:
 
 
 @dataclass(slots=True)
-class LoraSegment:
-    """Tokens ``start:end`` of the flat batch use adapter slot ``slot``."""
-
-    slot: int
-    start: int
-    end: int
-
-
-@dataclass(slots=True)
 class AttentionBatch:
     """Where each sequence's queries sit in the flat batch and where its keys live in the cache.
 
@@ -133,14 +127,6 @@ class AttentionBatch:
     decode_rows: torch.Tensor | None
     decode_slots: torch.Tensor | None
     decode_mask: torch.Tensor | None
-
-
-class LoraWeights(Protocol):
-    """What the model asks of the adapter slot pool: stacked A/B for one fused projection."""
-
-    def get(self, layer: int, projection: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """``A`` [slots, K, in], ``B`` [slots, K, out] and the used width K per slot."""
-        ...
 
 
 def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -267,8 +253,7 @@ class LlamaModel:
         positions: torch.Tensor,
         attn: AttentionBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        lora: LoraWeights | None,
-        segments: list[LoraSegment],
+        lora: LoraBatch | None,
         logits_rows: torch.Tensor,
     ) -> torch.Tensor:
         """Logits [len(logits_rows), vocab] for the requested rows of the flat batch."""
@@ -282,7 +267,7 @@ class LlamaModel:
         k_cache, v_cache = kv_cache
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer["input_norm"], s.rms_norm_eps)  # type: ignore[arg-type]
-            qkv = self._linear(h, layer, "qkv", i, lora, segments)
+            qkv = self._linear(h, layer, "qkv", i, lora)
             q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
             q = rotate(q.view(-1, s.num_heads, s.head_dim), cos, sin)
             k = rotate(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin)
@@ -290,10 +275,10 @@ class LlamaModel:
             k_cache[i].index_copy_(0, attn.slot_mapping, k)
             v_cache[i].index_copy_(0, attn.slot_mapping, v)
             o = self._attention(q, k_cache[i], v_cache[i], attn)
-            x = x + self._linear(o, layer, "o", i, lora, segments)
+            x = x + self._linear(o, layer, "o", i, lora)
             h = rms_norm(x, layer["post_norm"], s.rms_norm_eps)  # type: ignore[arg-type]
-            gate, up = self._linear(h, layer, "gate_up", i, lora, segments).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, layer, "down", i, lora, segments)
+            gate, up = self._linear(h, layer, "gate_up", i, lora).chunk(2, dim=-1)
+            x = x + self._linear(F.silu(gate) * up, layer, "down", i, lora)
         h = rms_norm(x[logits_rows], self.norm, s.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
 
@@ -303,20 +288,13 @@ class LlamaModel:
         layer: dict[str, torch.Tensor | None],
         projection: str,
         index: int,
-        lora: LoraWeights | None,
-        segments: list[LoraSegment],
+        lora: LoraBatch | None,
     ) -> torch.Tensor:
         weight = layer[projection]
         assert weight is not None
         y = F.linear(x, weight, layer[projection + "_bias"])
-        if lora is None or not segments:
-            return y
-        a, b, widths = lora.get(index, projection)
-        for seg in segments:
-            width = widths[seg.slot]
-            if width:
-                shrunk = x[seg.start : seg.end] @ a[seg.slot, :width].T
-                y[seg.start : seg.end].addmm_(shrunk, b[seg.slot, :width])
+        if lora is not None:
+            lora.apply(x, y, index, projection)
         return y
 
     def _attention(

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from lora_guard.engine.kv_cache import KVCache
-from lora_guard.engine.model import AttentionBatch, LlamaModel, LoraSegment, LoraWeights
+from lora_guard.engine.lora.compute import LoraBatch, LoraSegment
+from lora_guard.engine.model import AttentionBatch, LlamaModel
 from lora_guard.engine.scheduler import ScheduledSeq
 from lora_guard.engine.sequence import Sequence
 
@@ -22,17 +23,16 @@ class StepResult:
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaModel, kv_cache: KVCache, lora: LoraWeights, block_size: int
+        self, model: LlamaModel, kv_cache: KVCache, block_size: int, lora_mode: str = "loop"
     ) -> None:
-        self.model, self.kv_cache, self.lora, self.block_size = model, kv_cache, lora, block_size
+        self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        self.lora_mode = lora_mode
         self.device = model.device
 
     def run(self, scheduled: list[ScheduledSeq]) -> StepResult:
-        # Sequences that share an adapter slot sit next to each other, so the LoRA update is one
-        # pair of matmuls per slot. Base-model sequences (no slot) go first.
-        ordered = sorted(
-            scheduled, key=lambda s: -1 if s.seq.lora_slot is None else s.seq.lora_slot
-        )
+        # Sequences under one adapter sit next to each other, so each adapter's tokens are one
+        # segment of the flat batch. Base-model sequences (no adapter) go first.
+        ordered = sorted(scheduled, key=lambda s: -1 if s.adapter is None else s.adapter.first_page)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -54,11 +54,11 @@ class ModelRunner:
                 decodes.append((start, seq, ctx))
             else:
                 prefills.append((start, n, ctx, self._context_slots(table, ctx)))
-            if seq.lora_slot is not None:
-                if segments and segments[-1].slot == seq.lora_slot:
+            if item.adapter is not None:
+                if segments and segments[-1].layers is item.adapter.layers:
                     segments[-1].end = start + n
                 else:
-                    segments.append(LoraSegment(seq.lora_slot, start, start + n))
+                    segments.append(LoraSegment(start, start + n, item.adapter.layers))
             if ctx == len(seq.token_ids):
                 logits_rows.append(start + n - 1)
                 sampled.append(seq)
@@ -76,8 +76,7 @@ class ModelRunner:
             torch.tensor(positions, device=self.device),
             attn,
             (self.kv_cache.k, self.kv_cache.v),
-            self.lora,
-            segments,
+            LoraBatch(segments, self.lora_mode) if segments else None,
             torch.tensor(logits_rows, device=self.device, dtype=torch.long),
         )
         return StepResult(sampled, logits)

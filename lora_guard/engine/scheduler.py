@@ -1,9 +1,12 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
-Every step, running sequences come first (one token for a decode, the next chunk for a prompt
-still being read), then waiting ones are admitted while the token budget, the sequence cap, the
-KV pool and their adapter allow. When blocks run out, the most recently admitted running sequence
-is preempted: its blocks are freed and it is recomputed later.
+Every step, adapters first: the adapters that parked running sequences and waiting sequences need
+are brought into the pool, oldest need first, evicting adapters whose residency quantum is over
+(adapter-load decisions). Then running sequences whose adapter is resident get their next tokens
+(one for a decode, the next chunk for a prompt still being read); the others stay parked, their
+KV kept. Then waiting sequences whose adapter is resident are admitted while the token budget, the
+sequence cap and the KV pool allow. When blocks run out, the most recently admitted running
+sequence is preempted: its blocks are freed and it is recomputed later.
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from lora_guard.engine.adapter_manager import AdapterManager, Lookup
 from lora_guard.engine.kv_cache import BlockManager
-from lora_guard.engine.lora import AdapterError
+from lora_guard.engine.lora.checkpoint import AdapterError
+from lora_guard.engine.lora.residency import Lookup, ResidencyManager, Resident
 from lora_guard.engine.sequence import Sequence, Status
 from lora_guard.plugins.decisions import Defer, Load, Reject
 from lora_guard.plugins.manager import Hooks
@@ -32,6 +35,7 @@ CacheBinder = Callable[[Sequence, str | None], None]
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    adapter: Resident | None = None  # the adapter weights it computes with in this step
 
 
 @dataclass(slots=True)
@@ -58,13 +62,16 @@ class Scheduler:
     def __init__(
         self,
         blocks: BlockManager,
-        adapters: AdapterManager,
+        adapters: ResidencyManager,
         bind_cache: CacheBinder,
         max_batch_tokens: int,
         max_num_seqs: int,
         hooks: Hooks,
+        reject_when_busy: bool = True,
+        page_bytes: int = 0,
     ) -> None:
         self.blocks, self.adapters, self.bind_cache = blocks, adapters, bind_cache
+        self.reject_when_busy, self.page_bytes = reject_when_busy, page_bytes
         self.max_batch_tokens, self.max_num_seqs = max_batch_tokens, max_num_seqs
         self.hooks = hooks
         self.waiting: deque[Sequence] = deque()
@@ -90,19 +97,38 @@ class Scheduler:
             adapters, now = self.adapters, time.monotonic()
             while self._arrivals and self._arrivals[0][0] <= now - WINDOW_S:
                 self._heat[self._arrivals.popleft()[1]] -= 1
+            running = Counter(s.adapter_id for s in self.running if s.adapter_id)
+            blocks = self.blocks
             self._state = EngineState(
                 step=self.num_steps,
                 now=now,
                 slots=tuple(
-                    SlotView(i, s.adapter_id, s.refs, s.last_used)
-                    for i, s in enumerate(adapters.slots)
+                    SlotView(i, None, 0, 0.0)
+                    if e is None
+                    else SlotView(
+                        i,
+                        e.adapter_id,
+                        running[e.adapter_id],
+                        e.last_used,
+                        adapters.evictable(e, now),
+                    )
+                    for i, e in enumerate(adapters.seats)
                 ),
                 host_adapters=tuple(adapters.host.entries),
                 loading=frozenset(adapters.loader.pending),
-                memory_watermark=self.blocks.num_used_blocks / self.blocks.num_blocks,
+                memory_watermark=1 - blocks.num_free_blocks / blocks.num_blocks,
+                kv_share=blocks.num_used_blocks / blocks.num_blocks,
+                pool_bytes=MappingProxyType(
+                    {
+                        "kv": blocks.num_used_blocks * self.page_bytes,
+                        "adapter": len(blocks.reserved) * self.page_bytes,
+                        "free": blocks.num_free_blocks * self.page_bytes,
+                    }
+                ),
+                num_parked=sum(1 for s in self.running if s.parked_since is not None),
                 num_waiting=len(self.waiting),
                 num_running=len(self.running),
-                registered=frozenset(adapters.registry),
+                registered=frozenset(adapters.registry.entries),
                 waiting_adapters=tuple(s.adapter_id for s in self.waiting if s.adapter_id),
                 running_adapters=tuple(s.adapter_id for s in self.running if s.adapter_id),
                 heat=MappingProxyType({a: n for a, n in self._heat.items() if n > 0}),
@@ -129,22 +155,151 @@ class Scheduler:
         out = SchedulerOutput()
         self._state = None
         for adapter_id, error in self.adapters.poll().items():
-            for seq in [s for s in self.waiting if s.adapter_id == adapter_id]:
-                self.waiting.remove(seq)
+            for seq in [s for s in (*self.waiting, *self.running) if s.adapter_id == adapter_id]:
+                self.finish(seq)
                 out.failed.append(Failure(seq, str(error)))
-        budget = self._schedule_running(out, self.max_batch_tokens)
-        self._schedule_waiting(out, budget)
+        waiting = self.order_waiting()
+        if self.adapters.merged_mode:
+            budget = self._schedule_running(out, self.max_batch_tokens)
+            self._schedule_waiting_merged(out, waiting, budget)
+        else:
+            self.adapters.begin_step(
+                Counter(s.adapter_id for s in (*self.running, *self.waiting) if s.adapter_id),
+                Counter((s.adapter_id, s.adapter_hash) for s in self.running
+                        if s.adapter_id and s.adapter_hash),
+            )  # fmt: skip
+            self._bring_in_adapters(out, waiting)
+            budget = self._schedule_running(out, self.max_batch_tokens)
+            self._schedule_waiting(out, waiting, budget)
+            if not out.scheduled and self.running and self.adapters.short_of_pages:
+                # Every running request is parked and their KV leaves no room for the adapters
+                # they need: the newest gives its blocks back and is recomputed later.
+                victim = self.running[-1]
+                self.preempt(victim)
+                out.preempted.append(victim)
         for seq in self.waiting:
             seq.waited_steps += 1
         self.num_steps += 1
         return out
 
+    def _bring_in_adapters(self, out: SchedulerOutput, waiting: list[Sequence]) -> None:
+        """Bring in the adapters that parked sequences need (oldest first), then those of the
+        waiting sequences, in the order batch form offers them."""
+        now = time.monotonic()
+
+        def needs(seq: Sequence) -> bool:
+            if seq.adapter_id is None or self._resident_for(seq) is not None:
+                return False
+            if seq.adapter_needed_at is None:
+                seq.adapter_needed_at = now
+            return True
+
+        parked_first = sorted(filter(needs, self.running), key=lambda s: s.adapter_needed_at or now)
+        needing = [*parked_first, *filter(needs, waiting)]  # waiting ones in batch-form order
+        tried: set[str] = set()
+        for seq in needing:
+            if seq.adapter_id in tried or seq.status is Status.FINISHED:
+                continue
+            assert seq.adapter_id is not None
+            tried.add(seq.adapter_id)
+            parked = seq.status is Status.RUNNING
+            if parked and self._version_gone(seq):
+                # Its weights were replaced while it was parked: start it again under the new
+                # ones rather than mix two versions in one KV.
+                self.preempt(seq)
+                out.preempted.append(seq)
+                parked = False
+            try:
+                self._bring_in(seq, parked)
+            except AdapterError as exc:
+                for other in [s for s in (*self.running, *self.waiting)
+                              if s.adapter_id == seq.adapter_id]:  # fmt: skip
+                    self.finish(other)
+                    out.failed.append(Failure(other, str(exc)))
+            except _Rejected as rejected:
+                self.finish(seq)
+                out.failed.append(Failure(seq, rejected.reason, rejected.retry_after))
+
+    def _version_gone(self, seq: Sequence) -> bool:
+        """Whether the weights ``seq`` started under are neither resident nor current."""
+        assert seq.adapter_id is not None
+        if seq.adapter_hash is None:
+            return False
+        if self.adapters.version(seq.adapter_id, seq.adapter_hash) is not None:
+            return False
+        current = self.adapters.host.entries.get(seq.adapter_id)
+        return current is not None and current.content_hash != seq.adapter_hash
+
+    def _bring_in(self, seq: Sequence, parked: bool) -> None:
+        """Ask the policies, then the pool, for ``seq``'s adapter (adapter-load decisions)."""
+        assert seq.adapter_id is not None
+        tier = self.adapters.tier(seq.adapter_id)
+        self._note_lookup(seq, tier)
+        seat = None
+        if tier in (Lookup.WARM, Lookup.COLD) and self.hooks.has("lora_guard_adapter_load"):
+            decision = self.hooks.adapter_load(
+                request=seq.view(), tier=tier.value, state=self.state(), parked=parked,
+                evicts=tier is Lookup.WARM and self.adapters.needs_eviction(seq.adapter_id),
+            )  # fmt: skip
+            if isinstance(decision, Defer):
+                return
+            if isinstance(decision, Reject):
+                if parked or not self.reject_when_busy:
+                    return  # a running request, or an offline batch, waits instead
+                raise _Rejected(decision.reason, decision.retry_after)
+            if isinstance(decision, Load):
+                seat = decision.slot
+        if tier is Lookup.LOADING:
+            return
+        if self.adapters.acquire(seq.adapter_id, seat, self.running) is not None:
+            self._state = None  # the pool changed
+
+    def _note_lookup(self, seq: Sequence, tier: Lookup) -> None:
+        if seq.adapter_looked_up or tier is Lookup.LOADING:
+            return
+        seq.adapter_looked_up = True
+        self.adapters.stats.lookups[tier] += 1
+        self.hooks.notify("lora_guard_adapter_lookup", request=seq.view(), result=tier.value)
+
+    def _resident_for(self, seq: Sequence) -> Resident | None:
+        """The pool entry ``seq`` computes with, if it is resident."""
+        assert seq.adapter_id is not None
+        if seq.adapter_hash is not None and seq.status is Status.RUNNING:
+            return self.adapters.version(seq.adapter_id, seq.adapter_hash)
+        return self.adapters.current(seq.adapter_id)
+
+    def _ready(self, seq: Sequence) -> tuple[bool, Resident | None]:
+        """Whether ``seq`` can compute this step, and the adapter weights it computes with."""
+        if seq.adapter_id is None or self.adapters.merged_mode:
+            return True, None
+        entry = self._resident_for(seq)
+        if entry is None:
+            if seq.status is Status.RUNNING and seq.parked_since is None:
+                seq.parked_since = seq.adapter_needed_at = time.monotonic()
+            return False, None
+        if seq.adapter_needed_at is not None or seq.parked_since is not None:
+            started = seq.adapter_needed_at or seq.parked_since or time.monotonic()
+            wait_ms = (time.monotonic() - started) * 1000
+            seq.adapter_needed_at = seq.parked_since = None
+            self.hooks.notify("lora_guard_adapter_ready", request=seq.view(), wait_ms=wait_ms)
+        elif not seq.adapter_ready_once:
+            self.hooks.notify("lora_guard_adapter_ready", request=seq.view(), wait_ms=0.0)
+        seq.adapter_ready_once = True
+        return True, entry
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            ready, entry = self._ready(seq)
+            if not ready:
+                i += 1  # parked: its KV stays, its adapter comes back in a later step
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             while not self.blocks.can_append(seq, n):
+                if not self.adapters.merged_mode and self.adapters.evict_for_kv(keep=entry):
+                    self._state = None
+                    continue  # an adapter's pages first, before anyone's KV
                 victim = self.running[-1]
                 self.preempt(victim)
                 out.preempted.append(victim)
@@ -152,70 +307,106 @@ class Scheduler:
                     break
             else:
                 self.blocks.append(seq, n)
-                out.scheduled.append(ScheduledSeq(seq, n))
+                out.scheduled.append(ScheduledSeq(seq, n, entry))
+                if entry is not None:
+                    self.adapters.use(entry)
                 budget -= n
                 i += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        for seq in self.order_waiting():
+    def _schedule_waiting(self, out: SchedulerOutput, waiting: list[Sequence], budget: int) -> None:
+        for seq in waiting:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if seq.status is not Status.WAITING:
+                continue  # failed or rejected this step
+            if seq.adapter_id is not None:
+                self._note_lookup(seq, self.adapters.tier(seq.adapter_id))
+            ready, entry = self._ready(seq)
+            if not ready:
+                continue  # its adapter is loading or deferred; the others go on
+            if entry is not None and self._never_fits(seq, entry):
+                self.finish(seq)
+                out.failed.append(Failure(seq, (
+                    f"the prompt and max_new_tokens with adapter {seq.adapter_id!r} need more "
+                    f"than the cache pool's {self.blocks.num_blocks} pages"
+                )))  # fmt: skip
+                continue
+            self.bind_cache(seq, entry.content_hash if entry else None)
+            while not self.blocks.can_allocate(seq, budget):
+                if not self.adapters.evict_for_kv(keep=entry):
+                    break
+                self._state = None
+            if not self.blocks.can_allocate(seq, budget):
+                break
+            seq.adapter_hash = entry.content_hash if entry else None
+            self._admit(out, seq, budget, entry)
+            if entry is not None:
+                self.adapters.use(entry)
+            budget = self.max_batch_tokens - out.num_tokens
+
+    def _never_fits(self, seq: Sequence, entry: Resident) -> bool:
+        tokens = seq.num_prompt_tokens + seq.params.max_new_tokens
+        return self.blocks.blocks_for(tokens) + entry.num_pages > self.blocks.num_blocks
+
+    def _schedule_waiting_merged(
+        self, out: SchedulerOutput, waiting: list[Sequence], budget: int
+    ) -> None:
+        for seq in waiting:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             try:
-                bound, content_hash = self._bind_adapter(seq)
+                bound, content_hash = self._bind_merged(seq)
             except AdapterError as exc:
-                self.waiting.remove(seq)
+                self.finish(seq)
                 out.failed.append(Failure(seq, str(exc)))
                 continue
             except _Rejected as rejected:
-                self.waiting.remove(seq)
+                self.finish(seq)
                 out.failed.append(Failure(seq, rejected.reason, rejected.retry_after))
                 continue
             if not bound:
-                continue  # its adapter is loading or deferred; the others go on
+                continue
             self.bind_cache(seq, content_hash)
             if not self.blocks.can_allocate(seq, budget):
                 self._unbind(seq)
                 break
-            self.blocks.allocate(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
-            self.blocks.append(seq, n)
-            self.waiting.remove(seq)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n))
-            budget -= n
+            self._admit(out, seq, budget, None)
+            budget = self.max_batch_tokens - out.num_tokens
 
-    def _bind_adapter(self, seq: Sequence) -> tuple[bool, str | None]:
-        """Give ``seq`` its adapter slot (adapter-load decisions); False means wait."""
-        if seq.adapter_id is None and not self.adapters.merged_mode:
-            return True, None
-        if seq.adapter_id is None:
-            binding = self.adapters.acquire(None)
-            if binding is None:
-                return False, None
-            seq.lora_slot, seq.holds_adapter = None, True
-            return True, None
-        tier = self.adapters.tier(seq.adapter_id)
-        slot = None
-        if tier in (Lookup.WARM, Lookup.COLD) and self.hooks.has("lora_guard_adapter_load"):
-            decision = self.hooks.adapter_load(
-                request=seq.view(), tier=tier.value, state=self.state()
-            )
-            if isinstance(decision, Defer):
-                return False, None
-            if isinstance(decision, Reject):
-                raise _Rejected(decision.reason, decision.retry_after)
-            if isinstance(decision, Load):
-                slot = decision.slot
-        if not seq.adapter_looked_up and tier is not Lookup.LOADING:
-            seq.adapter_looked_up = True
-            self.hooks.notify("lora_guard_adapter_lookup", request=seq.view(), result=tier.value)
-        binding = self.adapters.acquire(seq.adapter_id, slot)
+    def _admit(
+        self, out: SchedulerOutput, seq: Sequence, budget: int, entry: Resident | None
+    ) -> None:
+        self.blocks.allocate(seq)
+        n = min(seq.num_uncomputed_tokens, budget)
+        self.blocks.append(seq, n)
+        self.waiting.remove(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        out.scheduled.append(ScheduledSeq(seq, n, entry))
+
+    def _bind_merged(self, seq: Sequence) -> tuple[bool, str | None]:
+        """Merged mode: bind ``seq`` to the merged weights for its whole life; False means wait.
+        Returns the weights' content hash (None for the base model)."""
+        if seq.adapter_id is not None:
+            tier = self.adapters.tier(seq.adapter_id)
+            if tier in (Lookup.WARM, Lookup.COLD) and self.hooks.has("lora_guard_adapter_load"):
+                decision = self.hooks.adapter_load(
+                    request=seq.view(), tier=tier.value, state=self.state(), parked=False,
+                    evicts=self.adapters.merged is not None,
+                )  # fmt: skip
+                if isinstance(decision, Defer):
+                    return False, None
+                if isinstance(decision, Reject):
+                    if not self.reject_when_busy:
+                        return False, None
+                    raise _Rejected(decision.reason, decision.retry_after)
+            self._note_lookup(seq, tier)
+        binding = self.adapters.acquire_merged(seq.adapter_id)
         if binding is None:
             return False, None
-        self._state = None  # the slots changed
-        seq.lora_slot, seq.holds_adapter = binding.slot, True
+        self._state = None
+        seq.holds_merged = True
         return True, binding.content_hash
 
     def preempt(self, seq: Sequence) -> None:
@@ -223,6 +414,7 @@ class Scheduler:
         self.blocks.free(seq)
         self._unbind(seq)
         seq.status = Status.WAITING
+        seq.adapter_hash = seq.parked_since = None
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -238,9 +430,9 @@ class Scheduler:
         seq.status = Status.FINISHED
 
     def _unbind(self, seq: Sequence) -> None:
-        if seq.holds_adapter:
-            self.adapters.release(seq.lora_slot)
-            seq.lora_slot, seq.holds_adapter = None, False
+        if seq.holds_merged:
+            self.adapters.release_merged()
+            seq.holds_merged = False
 
 
 class _Rejected(Exception):

@@ -53,8 +53,11 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
-    lora_slot: int | None = None
-    holds_adapter: bool = False  # holds a reference on its slot or on the merged weights
+    adapter_hash: str | None = None  # the adapter weights it started under
+    holds_merged: bool = False  # holds a reference on the merged weights (merged mode)
+    adapter_needed_at: float | None = None  # when it began to wait for its adapter
+    parked_since: float | None = None  # running, but its adapter is out of the pool
+    adapter_ready_once: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
     retry_after: float | None = None

@@ -56,22 +56,31 @@ def lora_guard_configure(config: dict[str, Any]) -> None:
 
 @hookspec(firstresult=True)
 def lora_guard_adapter_load(
-    request: RequestView, tier: str, state: EngineState
+    request: RequestView, tier: str, state: EngineState, parked: bool, evicts: bool
 ) -> AdapterDecision | None:
-    """A waiting request needs an adapter that is not in a device slot.
+    """A request needs an adapter that is not in the pool.
 
     :param request: the request.
-    :param tier: ``"warm"`` (the adapter is in host memory and needs a slot) or ``"cold"`` (it
-        must be read from disk first; the read runs on the loader thread).
+    :param tier: ``"warm"`` (the adapter is in host memory and needs a seat and pages in the
+        pool) or ``"cold"`` (it must be read from disk first; the read runs on the loader thread).
     :param state: the engine between steps.
-    :return: ``Load(slot)`` to go ahead (for a warm adapter, into ``slot``, or the least recently
-        used idle slot when ``slot`` is None), ``Defer()`` to wait a step, ``Reject(reason,
-        retry_after)`` to fail the request with ``BusyRetry``, or None to leave it to the next
-        plugin (the engine's default: load, least recently used slot).
+    :param parked: the request is running and its adapter left the pool (it waits with its KV
+        kept); a ``Reject`` is then taken as ``Defer``: a running request is never failed for a
+        policy.
+    :param evicts: loading it now (a warm adapter) must evict an adapter that requests still
+        need (thrash): neither free seats and pages nor those of adapters no request needs are
+        enough.
+    :return: ``Load(slot)`` to go ahead (for a warm adapter, into seat ``slot``, evicting what is
+        there if the engine lets it leave now; None lets the engine choose), ``Defer()`` to wait a
+        step, ``Reject(reason, retry_after)`` to fail the request with ``BusyRetry``, or None to
+        leave it to the next plugin (the engine's default: load, evicting an adapter no request
+        needs, else the one resident longest whose quantum is over).
 
-    Firstresult. Called again at each step until the request is bound or rejected.
+    Firstresult. Called again at each step until the adapter is resident or the request rejected.
+    The offline ``LLM.generate`` takes ``Reject`` as ``Defer``: a batch waits, never drops.
 
     .. versionadded:: 0.1
+    .. versionchanged:: 0.2 ``parked`` and ``evicts``; called for parked running requests too.
     """
 
 
@@ -145,6 +154,19 @@ def lora_guard_adapter_loaded(adapter_id: str, slot: int, tier: str, swap_ms: fl
     :param swap_ms: from the start of the load to the slot being ready.
 
     .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def lora_guard_adapter_ready(request: RequestView, wait_ms: float) -> None:
+    """A request's adapter is usable: it is resident and the request computes with it this step.
+
+    :param request: the request.
+    :param wait_ms: milliseconds from when the request first needed its adapter and found it
+        out of the pool (at admission, or when parked) to now; 0 when it was resident already.
+        Called at admission and after each time the request was parked.
+
+    .. versionadded:: 0.2
     """
 
 

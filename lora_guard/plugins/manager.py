@@ -159,12 +159,18 @@ class Hooks:
             raise PluginError(f"a plugin refused the configuration: {exc}") from exc
 
     def adapter_load(
-        self, *, request: RequestView, tier: str, state: EngineState
+        self,
+        *,
+        request: RequestView,
+        tier: str,
+        state: EngineState,
+        parked: bool = False,
+        evicts: bool = False,
     ) -> AdapterDecision | None:
         try:
             result: AdapterDecision | None = self._decide(
                 self.pm.hook.lora_guard_adapter_load, request=request, tier=tier, state=state,
-                busy_ok=True,
+                parked=parked, evicts=evicts, busy_ok=True,
             )  # fmt: skip
         except BusyRetry as busy:
             return Reject(str(busy), busy.retry_after)

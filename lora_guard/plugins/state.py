@@ -23,12 +23,16 @@ class RequestView:
 
 @dataclass(frozen=True, slots=True)
 class SlotView:
-    """One device slot: the adapter in it (None when free) and how many running requests hold it."""
+    """One seat of the adapter pool (``max_loras`` seats): the adapter in it (None when free),
+    how many running requests use that adapter, when a step last computed with it, and whether
+    the engine would let it leave now (not pinned, its residency quantum over or no request
+    needing it). Residency is per step: a running request whose adapter leaves waits, parked."""
 
     slot: int
     adapter_id: str | None
     refs: int
     last_used: float
+    evictable: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +44,7 @@ class EngineState:
     :param slots: every device slot.
     :param host_adapters: adapters held in host memory, least recently used first.
     :param loading: adapters being read from disk.
-    :param memory_watermark: share of the KV pool in use, 0 to 1.
+    :param memory_watermark: share of the cache pool in use (KV blocks and adapter pages), 0 to 1.
     :param num_waiting: requests waiting to start.
     :param num_running: requests running.
     :param registered: every adapter id the engine knows.
@@ -49,6 +53,10 @@ class EngineState:
     :param heat: requests per adapter that arrived in the last 60 s.
     :param cold_loads_in_window: adapter reads from disk started in the last 60 s.
     :param num_preemptions: running requests preempted (KV pool full) since the engine started.
+    :param kv_share: share of the cache pool held by KV blocks in use, 0 to 1.
+    :param pool_bytes: the cache pool's bytes by kind: ``kv`` (blocks in use), ``adapter``
+        (adapter pages) and ``free`` (free blocks, cached prefixes included).
+    :param num_parked: running requests waiting for their adapter to come back into the pool.
     """
 
     step: int
@@ -65,6 +73,9 @@ class EngineState:
     heat: Mapping[str, int] = field(default_factory=dict)
     cold_loads_in_window: int = 0
     num_preemptions: int = 0
+    kv_share: float = 0.0
+    pool_bytes: Mapping[str, int] = field(default_factory=dict)
+    num_parked: int = 0
 
     def slot_of(self, adapter_id: str) -> int | None:
         for view in self.slots:
@@ -78,5 +89,10 @@ class EngineState:
 
     @property
     def idle_slots(self) -> tuple[int, ...]:
-        """Slots no running request holds (free or evictable)."""
+        """Seats free or holding an adapter that no running request uses."""
         return tuple(v.slot for v in self.slots if v.refs == 0)
+
+    @property
+    def evictable_slots(self) -> tuple[int, ...]:
+        """Seats free or holding an adapter the engine would let leave now."""
+        return tuple(v.slot for v in self.slots if v.adapter_id is None or v.evictable)

@@ -1,14 +1,19 @@
-"""Cold-load budget: at most ``cold_loads_per_minute`` adapter reads from disk in any 60 s.
+"""Cold-load budget: at most ``cold_loads_per_minute`` adapter loads that evict an adapter that
+requests still need (thrash) in any 60 s. Loads into free memory, or into the room of adapters no
+request needs, are free.
 
-A request that needs one more is rejected with ``BusyRetry``, its retry-after the time until the
-oldest load in the window leaves it. Above ``high_watermark`` (share of the KV pool in use) new
-cold loads wait; evicting a resident adapter to make room happens only below ``low_watermark``.
-Reads run on the engine's loader thread, never in the step.
+A request whose load would go over the budget waits in an ordered queue: when the window has room,
+the request that has waited longest loads first. After ``cold_queue_timeout`` seconds in the queue
+it is rejected with ``BusyRetry``, its retry-after the time until the window has room for it (its
+place in the queue counted). A running request whose adapter left the pool (parked) is never
+held here: the engine's residency quantum paces those. Above ``high_watermark`` (share of the
+cache pool in use) new reads from disk wait; evicting loads wait while the KV blocks in use hold
+more than ``low_watermark`` of the pool.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 from lora_guard.plugins import Defer, Reject, hookimpl
@@ -25,56 +30,89 @@ class ColdLoadBudget:
         self.per_minute = 6
         self.low_watermark = 0.82
         self.high_watermark = 0.95
-        self.loads: deque[float] = deque()
+        self.queue_timeout_s = 10.0
+        self.loads: deque[float] = deque()  # times of the evicting loads in the window
+        self.queue: OrderedDict[str, float] = OrderedDict()  # request id -> when it queued
 
     @hookimpl
     def lora_guard_add_options(self, options: OptionRegistry) -> None:
-        options.add("cold_loads_per_minute", int, 6, "adapter loads from disk allowed per minute")
         options.add(
-            "low_watermark",
-            float,
-            0.82,
-            "evict resident adapters only while KV memory use is below this share",
-        )
-        options.add("high_watermark", float, 0.95,
-                    "above this share of KV memory in use, new cold loads wait")  # fmt: skip
+            "cold_loads_per_minute", int, 6,
+            "adapter loads that evict an adapter requests still need, allowed per minute",
+        )  # fmt: skip
+        options.add(
+            "cold_queue_timeout", float, 10.0,
+            "seconds a request waits in the ordered queue for the budget before it gets 429",
+        )  # fmt: skip
+        options.add(
+            "low_watermark", float, 0.82,
+            "evicting loads wait while KV blocks in use hold more than this share of the pool",
+        )  # fmt: skip
+        options.add(
+            "high_watermark", float, 0.95,
+            "above this share of the cache pool in use, new reads from disk wait",
+        )  # fmt: skip
 
     @hookimpl
     def lora_guard_configure(self, config: dict[str, Any]) -> None:
         self.per_minute = int(config.get("cold_loads_per_minute", 6))
+        self.queue_timeout_s = float(config.get("cold_queue_timeout", 10.0))
         self.low_watermark = float(config.get("low_watermark", 0.82))
         self.high_watermark = float(config.get("high_watermark", 0.95))
         if self.per_minute < 1:
             raise ValueError("cold_loads_per_minute must be at least 1")
+        if self.queue_timeout_s < 0:
+            raise ValueError("cold_queue_timeout must be at least 0")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ValueError("watermarks must satisfy 0 < low_watermark <= high_watermark <= 1")
 
-    def retry_after(self, now: float) -> float:
-        """Seconds until the window has room again."""
+    def retry_after(self, now: float, place: int = 0) -> float:
+        """Seconds until the window has room for the load at ``place`` in the queue (0: next)."""
         self._forget(now)
-        if len(self.loads) < self.per_minute:
+        if len(self.loads) + place < self.per_minute:
             return 0.0
-        return max(self.loads[0] + WINDOW_S - now, MIN_RETRY_AFTER_S)
+        # The load ``place`` after the next one can go once that many more loads have left.
+        index = len(self.loads) + place - self.per_minute
+        if index < len(self.loads):
+            return max(self.loads[index] + WINDOW_S - now, MIN_RETRY_AFTER_S)
+        rounds, rest = divmod(index, self.per_minute)
+        return max(self.loads[rest] + WINDOW_S * (rounds + 1) - now, MIN_RETRY_AFTER_S)
 
     @hookimpl(tryfirst=True)
     def lora_guard_adapter_load(
-        self, request: RequestView, tier: str, state: EngineState
+        self, request: RequestView, tier: str, state: EngineState, parked: bool, evicts: bool
     ) -> AdapterDecision | None:
+        if parked:
+            return None
         if tier == "cold":
             if state.memory_watermark > self.high_watermark:
                 return Defer("memory above the high watermark")
-            wait = self.retry_after(state.now)
-            if wait > 0:
-                return Reject(
-                    f"adapter {request.adapter_id!r} is cold and the cold-load budget "
-                    f"({self.per_minute} per minute) is spent",
-                    wait,
-                )
-            self.loads.append(state.now)
+            return None  # a read into host memory evicts nothing
+        if not evicts:
+            self.queue.pop(request.request_id, None)
             return None
-        if not state.free_slots and state.memory_watermark >= self.low_watermark:
-            return Defer("memory above the low watermark: no eviction now")
-        return None
+        if state.kv_share > self.low_watermark:
+            return Defer("KV use above the low watermark: no eviction now")
+        now = state.now
+        queued_at = self.queue.setdefault(request.request_id, now)
+        place = list(self.queue).index(request.request_id)
+        wait = self.retry_after(now, place)
+        if wait == 0:
+            del self.queue[request.request_id]
+            self.loads.append(now)
+            return None
+        if now - queued_at >= self.queue_timeout_s:
+            del self.queue[request.request_id]
+            return Reject(
+                f"adapter {request.adapter_id!r} is not resident and the cold-load budget "
+                f"({self.per_minute} evicting loads per minute) is spent",
+                max(wait, MIN_RETRY_AFTER_S),
+            )
+        return Defer("cold-load budget spent: waiting in order")
+
+    @hookimpl
+    def lora_guard_request_finished(self, request: RequestView) -> None:
+        self.queue.pop(request.request_id, None)
 
     def _forget(self, now: float) -> None:
         while self.loads and self.loads[0] <= now - WINDOW_S:

@@ -3,12 +3,14 @@ hit them.
 
 Heat is the number of requests per (tenant, adapter) over a sliding window. The hot set is the
 pinned adapters (``pin``) plus the ``hot_set_size`` hottest (default: all slots but one, which
-serves the cold tail). A warm adapter takes a free slot, else the idle slot holding the coldest
-adapter outside the hot set; a hot adapter is displaced only by another hot one, a pinned one
-never. A tenant already holding its fair share of the slots may evict only its own. A request
-that has waited ``max_wait_steps`` may displace any adapter that is not pinned, so none waits for
-a slot forever. Batch form offers requests whose adapter is resident first, caps the distinct
-adapters per step (``max_loras_per_batch``), and puts aged requests ahead of all others.
+serves the cold tail). A warm adapter takes a free seat in the pool, else the seat of the coldest
+adapter outside the hot set that the engine lets leave now (its residency quantum over, or no
+request needing it); a hot adapter is displaced only by another hot one, a pinned one never.
+A tenant already holding its fair share of the seats may evict only its own. A request that has
+waited ``max_wait_steps``, or a running one whose adapter left the pool (parked), may displace
+any adapter that is not pinned, so none waits for a seat forever. Batch form offers requests
+whose adapter is resident first, caps the distinct adapters per step (``max_loras_per_batch``),
+and puts aged requests ahead of all others.
 """
 
 from __future__ import annotations
@@ -120,15 +122,15 @@ class HotSetPolicy:
     # adapter load
     @hookimpl
     def lora_guard_adapter_load(
-        self, request: RequestView, tier: str, state: EngineState
+        self, request: RequestView, tier: str, state: EngineState, parked: bool
     ) -> AdapterDecision | None:
         if tier == "cold":
-            return None  # reading into host memory needs no slot
+            return None  # reading into host memory needs no seat
         if state.free_slots:
             return Load(state.free_slots[0])
         hot = self.hot_set(state.now)
-        aged = request.waited_steps >= self.max_wait_steps
-        idle = [v for v in state.slots if v.refs == 0 and v.adapter_id not in self.pinned]
+        aged = parked or request.waited_steps >= self.max_wait_steps
+        idle = [v for v in state.slots if v.evictable and v.adapter_id not in self.pinned]
         candidates = [v for v in idle if v.adapter_id not in hot]
         if not candidates and (request.adapter_id in hot or aged):
             candidates = idle  # a hot adapter, or one waited on too long, may displace a hot one

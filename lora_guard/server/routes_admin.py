@@ -14,9 +14,10 @@ from pydantic import BaseModel, ConfigDict
 
 from lora_guard.engine.llm_engine import LLMEngine
 from lora_guard.engine.lora import AdapterError, read_adapter
+from lora_guard.engine.lora.registry import valid_adapter_id
 from lora_guard.server.errors import APIError, not_found, validation
 from lora_guard.server.routes_tgi import _state
-from lora_guard.server.state import ADAPTER_ID, ServerState
+from lora_guard.server.state import ServerState
 
 router = APIRouter(prefix="/v1")
 
@@ -41,7 +42,7 @@ def _admin(request: Request) -> ServerState:
 
 
 def _name(name: str) -> str:
-    if not ADAPTER_ID.fullmatch(name) or name in (".", ".."):
+    if not valid_adapter_id(name):
         raise validation(f"invalid adapter id {name!r}: use letters, digits, '-', '_' and '.'")
     return name
 
@@ -75,7 +76,8 @@ async def list_adapters(request: Request) -> list[dict[str, Any]]:
         hot_set = engine.hooks.pm.get_plugin("hot-set")
         pinned = set(getattr(hot_set, "pinned", ()))
         rows = []
-        for adapter_id, path in sorted(adapters.registry.items()):
+        for adapter_id, entry in sorted(adapters.registry.entries.items()):
+            path = entry.path
             tier = adapters.tier(adapter_id).value
             host = adapters.host.entries.get(adapter_id)
             rows.append({
@@ -157,6 +159,7 @@ async def _pinning(request: Request, adapter_id: str, *, pin: bool) -> dict[str,
         metrics = engine.hooks.pm.get_plugin("metrics")
         if metrics is not None:
             metrics.set_pinned(policy.pinned)
+        engine.adapters.pinned = frozenset(policy.pinned)
         return list(policy.pinned)
 
     try:

@@ -207,7 +207,7 @@ async def models(request: Request) -> dict[str, Any]:
     state = _state(request)
     created = int(time.time())
     data = [{"id": state.model_id, "object": "model", "created": created, "owned_by": "lora-guard"}]
-    for adapter_id in sorted(state.llm.adapters.registry):
+    for adapter_id in sorted(state.llm.adapters.registry.entries):
         data.append({"id": adapter_id, "object": "model", "created": created,
                      "owned_by": "lora-guard", "parent": state.model_id})  # fmt: skip
     return {"object": "list", "data": data}

@@ -75,6 +75,6 @@ def serve(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=GRACE_S
     )
     log.info("serving %s with %d adapters on http://%s:%d", engine.model_id,
-             len(engine.adapters.registry), host, port)  # fmt: skip
+             len(engine.adapters.registry.entries), host, port)  # fmt: skip
     _Server(config).run()
     return 0

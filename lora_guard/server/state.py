@@ -3,7 +3,6 @@ the engine and back."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 
 from lora_guard.engine.async_engine import AsyncEngine, EngineDeadError
 from lora_guard.engine.llm_engine import RequestError, RequestOutput
+from lora_guard.engine.lora.registry import valid_adapter_id
 from lora_guard.engine.sampling import InvalidParams, SamplingParams
 from lora_guard.server.errors import (
     APIError,
@@ -20,8 +20,6 @@ from lora_guard.server.errors import (
     unavailable,
     validation,
 )
-
-ADAPTER_ID = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 
 
 @dataclass
@@ -58,7 +56,7 @@ class ServerState:
         """The adapter id a request names, validated; None for the base model."""
         if adapter_id is None or adapter_id in ("", "tgi", self.model_id):
             return None
-        if not ADAPTER_ID.fullmatch(adapter_id) or adapter_id in (".", ".."):
+        if not valid_adapter_id(adapter_id):
             raise validation(
                 f"invalid adapter id {adapter_id!r}: use letters, digits, '-', '_' and '.'"
             )

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -108,13 +110,32 @@ def test_pickle_bin_alone_is_refused(
     assert "pickle" in message and "adapter_model.bin" in message
 
 
-def test_pickle_bin_beside_safetensors_is_refused(
-    base: torch.nn.Module, spec: ModelSpec, tmp_path: Path
+def test_pickle_beside_safetensors_is_never_opened(
+    base: torch.nn.Module, spec: ModelSpec, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # Many adapter repositories ship both files; the safetensors one is read, the pickle left
+    # shut. An audit hook sees every open() of this process: the pickle's path never shows up.
     path = save_lora(base, tmp_path / "both")
-    torch.save(load_file(path / WEIGHTS), path / "adapter_model.bin")
-    message = refusal("both", path, spec)
-    assert "pickle" in message and "adapter_model.bin" in message
+    pickle = path / "adapter_model.bin"
+    torch.save(load_file(path / WEIGHTS), pickle)
+    opened: list[str] = []
+    watching = True
+
+    def audit(event: str, args: tuple[Any, ...]) -> None:
+        if watching and event == "open" and args and isinstance(args[0], str | bytes | Path):
+            opened.append(os.fsdecode(args[0]))
+
+    sys.addaudithook(audit)
+    try:
+        with caplog.at_level(logging.INFO, logger="lora_guard.engine.lora.checkpoint"):
+            adapter = read_adapter("both", path, spec, MAX_RANK)
+            read_adapter("both", path, spec, MAX_RANK)
+    finally:
+        watching = False
+    assert adapter.weights and str(path / WEIGHTS) in {str(Path(p).resolve()) for p in opened}
+    assert not [p for p in opened if Path(p).name == pickle.name], opened
+    said = [r.getMessage() for r in caplog.records if "adapter_model.bin" in r.getMessage()]
+    assert len(said) == 1 and "never read" in said[0]  # said once, not at every read
 
 
 def test_only_regular_files_are_read(

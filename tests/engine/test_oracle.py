@@ -116,10 +116,12 @@ def test_small_kv_pool_preempts_and_still_matches(
     adapters: dict[str, Path],
     expected: dict,  # type: ignore[type-arg]
 ) -> None:
+    # 16 blocks for KV, and 32 more pages: the largest adapter here (rank 8 on every projection)
+    # takes 32, so KV and adapters contend for the one pool.
     llm = LLM(
         tiny_model,
         adapters=adapters,
-        kv_cache_memory=_blocks_bytes(tiny_model, 16, 4),
+        cache_memory=_blocks_bytes(tiny_model, 16 + 32, 4),
         block_size=4,
     )
     _check(llm, adapters, expected)

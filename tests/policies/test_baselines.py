@@ -49,7 +49,7 @@ def test_on_demand_merges_one_adapter_at_a_time_and_restores_the_base(
     requests = _requests(llm)
     llm.generate([p for p, _ in requests], PARAMS, [a for _, a in requests])
     assert llm.engine.adapters.stats.loads >= 3  # every switch merges again
-    assert llm.engine.slot_pool.num_slots == 0  # no slots: the weights themselves change
+    assert not llm.engine.adapters.seats  # no pool seats: the weights themselves change
     # After all that merging and unmerging, the base model is exactly the base model.
     base = llm.generate(requests[0][0], PARAMS, None)[0]
     assert base.token_ids == reference_greedy(tiny_model, [(requests[0][0], None)], 8)[0]

@@ -40,7 +40,8 @@ def test_state_view_reports_heat_cold_loads_and_slots(
     assert dict(last.heat) == {"s-00": 3, "s-01": 1}
     assert last.cold_loads_in_window == 2  # s-00 and s-01, each read once
     assert len(last.slots) == 2 and {v.adapter_id for v in last.slots} == {"s-00", "s-01"}
-    assert last.num_running == last.num_waiting == 0 and last.memory_watermark == 0
+    assert last.num_running == last.num_waiting == 0 and last.kv_share == 0
+    assert last.memory_watermark == last.pool_bytes["adapter"] / sum(last.pool_bytes.values())
     assert any(s.num_running > 0 and s.memory_watermark > 0 for s in seen.states)
     with pytest.raises(TypeError):
         last.heat["s-02"] = 1  # type: ignore[index]

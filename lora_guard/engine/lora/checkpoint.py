@@ -1,27 +1,17 @@
-"""LoRA adapters: reading PEFT folders, the device slot pool, the host tier and the loader thread.
+"""Reading a PEFT LoRA folder (``adapter_config.json`` + ``adapter_model.safetensors``) into host
+memory, checked against the base model. Pickle files are never opened.
 
-The slot pool preallocates, for every layer and fused projection, one stacked ``A`` [slots, K, in]
-and ``B`` [slots, K, out] (B stored transposed, so a slot's used part is one contiguous block) with
-``K = sub-modules * max_rank``; loading an adapter is a copy into its slot, never an allocation.
-Within a slot, sub-module ``j`` (q, k or v of the fused qkv, say) uses rows ``j*r : j*r + r_j`` of
-A and of B, where ``r`` is the adapter's largest rank, so one pair of matmuls serves the whole
-fused projection:
-
-    for each slot s with tokens x_s:  y_s += (x_s @ A[s, :K_s].T) @ B[s, :K_s]
-
-The LoRA scaling (``alpha / r``, or ``alpha / sqrt(r)`` for rsLoRA) is folded into B at load time.
+The LoRA scaling (``alpha / r``, or ``alpha / sqrt(r)`` for rsLoRA) is folded into B here.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import stat
-import time
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +23,8 @@ from lora_guard.engine.model import FUSED_PROJECTIONS, LORA_TARGETS, ModelSpec
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+log = logging.getLogger(__name__)
+_pickles_reported: set[Path] = set()
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
@@ -106,11 +98,17 @@ def read_adapter(
     if root is not None and not path.resolve().is_relative_to(root.resolve()):
         raise fail(f"{path} leads outside the adapter directory")
     pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if pickles:
+    if pickles and not (path / WEIGHTS_FILE).exists():
         raise fail(
-            f"pickle files are refused ({', '.join(pickles)}): they can run code when loaded; "
-            "keep only adapter_config.json and adapter_model.safetensors"
+            f"it holds only pickle weights ({', '.join(pickles)}), which are refused because "
+            f"they can run code when loaded; save the adapter with safetensors ({WEIGHTS_FILE})"
         )
+    if pickles and path not in _pickles_reported:
+        _pickles_reported.add(path)
+        log.info(
+            "adapter %r: loading %s; %s left unopened (pickle files are never read)",
+            adapter_id, WEIGHTS_FILE, ", ".join(pickles),
+        )  # fmt: skip
     try:
         config_bytes = _read_regular_file(path / CONFIG_FILE, root)
         data = _read_regular_file(path / WEIGHTS_FILE, root)
@@ -187,121 +185,3 @@ def read_adapter(
         nbytes=len(data),
         target_modules=tuple(sorted({m for _, m in weights})),
     )
-
-
-class SlotPool:
-    """Device-resident stacked LoRA weights for ``num_slots`` adapters (the model's LoraWeights)."""
-
-    def __init__(
-        self,
-        spec: ModelSpec,
-        num_slots: int,
-        max_rank: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        self.spec, self.num_slots, self.max_rank = spec, num_slots, max_rank
-        self.a: dict[tuple[int, str], torch.Tensor] = {}
-        self.b: dict[tuple[int, str], torch.Tensor] = {}
-        self.widths: dict[str, list[int]] = {p: [0] * num_slots for p in FUSED_PROJECTIONS}
-        for projection, modules in FUSED_PROJECTIONS.items():
-            fan_in = spec.module_shape(modules[0])[0]
-            fan_out = sum(spec.module_shape(m)[1] for m in modules)
-            k = len(modules) * max_rank
-            for layer in range(spec.num_layers):
-                self.a[layer, projection] = torch.zeros(
-                    num_slots, k, fan_in, dtype=dtype, device=device
-                )
-                self.b[layer, projection] = torch.zeros(
-                    num_slots, k, fan_out, dtype=dtype, device=device
-                )
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
-
-    def get(self, layer: int, projection: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        return self.a[layer, projection], self.b[layer, projection], self.widths[projection]
-
-    def load(self, slot: int, adapter: LoRAAdapter) -> None:
-        r = adapter.rank
-        for projection, modules in FUSED_PROJECTIONS.items():
-            targeted = any(m in adapter.target_modules for m in modules)
-            self.widths[projection][slot] = len(modules) * r if targeted else 0
-        layers = {layer for layer, _ in self.a}
-        for layer in layers:
-            for projection in FUSED_PROJECTIONS:
-                width = self.widths[projection][slot]
-                if width:
-                    self.a[layer, projection][slot, :width].zero_()
-                    self.b[layer, projection][slot, :width].zero_()
-        for (layer, module), (a, b) in adapter.weights.items():
-            projection, out0, out1 = self.spec.fused_rows(module)
-            j = FUSED_PROJECTIONS[projection].index(module)
-            rows = slice(j * r, j * r + a.shape[0])
-            self.a[layer, projection][slot, rows].copy_(a)
-            self.b[layer, projection][slot, rows, out0:out1].copy_(b.T)
-
-    def clear(self, slot: int) -> None:
-        for widths in self.widths.values():
-            widths[slot] = 0
-
-
-class AdapterLoader:
-    """Reads adapters from disk on a background thread so the step loop never waits on I/O."""
-
-    def __init__(self, spec: ModelSpec, max_rank: int) -> None:
-        self.spec, self.max_rank = spec, max_rank
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-guard-loader")
-        self.pending: dict[str, Future[LoRAAdapter]] = {}
-        self.read_ms: dict[str, float] = {}  # how long each finished read took, queue excluded
-
-    def submit(self, adapter_id: str, path: Path, root: Path | None = None) -> None:
-        if adapter_id not in self.pending:
-            self.pending[adapter_id] = self._pool.submit(self._read, adapter_id, path, root)
-
-    def _read(self, adapter_id: str, path: Path, root: Path | None) -> LoRAAdapter:
-        started = time.perf_counter()
-        try:
-            return read_adapter(adapter_id, path, self.spec, self.max_rank, root)
-        finally:
-            self.read_ms[adapter_id] = (time.perf_counter() - started) * 1000
-
-    def collect(self) -> list[tuple[str, LoRAAdapter | AdapterError]]:
-        """Finished loads since the last call: an adapter, or the error that stopped it."""
-        done: list[tuple[str, LoRAAdapter | AdapterError]] = []
-        for adapter_id, future in list(self.pending.items()):
-            if future.done():
-                del self.pending[adapter_id]
-                try:
-                    done.append((adapter_id, future.result()))
-                except AdapterError as exc:
-                    done.append((adapter_id, exc))
-                except Exception as exc:  # an unexpected failure is still that adapter's error
-                    done.append((adapter_id, AdapterError(f"adapter {adapter_id!r}: {exc}")))
-        return done
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-class HostCache:
-    """LRU of adapters in host memory (``max_cpu_loras``)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.entries: OrderedDict[str, LoRAAdapter] = OrderedDict()
-
-    def get(self, adapter_id: str) -> LoRAAdapter | None:
-        adapter = self.entries.get(adapter_id)
-        if adapter is not None:
-            self.entries.move_to_end(adapter_id)
-        return adapter
-
-    def put(self, adapter: LoRAAdapter) -> None:
-        self.entries[adapter.adapter_id] = adapter
-        self.entries.move_to_end(adapter.adapter_id)
-        while len(self.entries) > self.capacity:
-            self.entries.popitem(last=False)
-
-    def drop(self, adapter_id: str) -> None:
-        self.entries.pop(adapter_id, None)

@@ -1,0 +1,72 @@
+"""The loader thread (disk reads off the step loop) and the host-memory tier below the pool."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from lora_guard.engine.lora.checkpoint import AdapterError, LoRAAdapter, read_adapter
+from lora_guard.engine.model import ModelSpec
+
+
+class AdapterLoader:
+    """Reads adapters from disk on a background thread so the step loop never waits on I/O."""
+
+    def __init__(self, spec: ModelSpec, max_rank: int) -> None:
+        self.spec, self.max_rank = spec, max_rank
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-guard-loader")
+        self.pending: dict[str, Future[LoRAAdapter]] = {}
+        self.read_ms: dict[str, float] = {}  # how long each finished read took, queue excluded
+
+    def submit(self, adapter_id: str, path: Path, root: Path | None = None) -> None:
+        if adapter_id not in self.pending:
+            self.pending[adapter_id] = self._pool.submit(self._read, adapter_id, path, root)
+
+    def _read(self, adapter_id: str, path: Path, root: Path | None) -> LoRAAdapter:
+        started = time.perf_counter()
+        try:
+            return read_adapter(adapter_id, path, self.spec, self.max_rank, root)
+        finally:
+            self.read_ms[adapter_id] = (time.perf_counter() - started) * 1000
+
+    def collect(self) -> list[tuple[str, LoRAAdapter | AdapterError]]:
+        """Finished loads since the last call: an adapter, or the error that stopped it."""
+        done: list[tuple[str, LoRAAdapter | AdapterError]] = []
+        for adapter_id, future in list(self.pending.items()):
+            if future.done():
+                del self.pending[adapter_id]
+                try:
+                    done.append((adapter_id, future.result()))
+                except AdapterError as exc:
+                    done.append((adapter_id, exc))
+                except Exception as exc:  # an unexpected failure is still that adapter's error
+                    done.append((adapter_id, AdapterError(f"adapter {adapter_id!r}: {exc}")))
+        return done
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class HostCache:
+    """LRU of adapters in host memory (``max_cpu_loras``)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.entries: OrderedDict[str, LoRAAdapter] = OrderedDict()
+
+    def get(self, adapter_id: str) -> LoRAAdapter | None:
+        adapter = self.entries.get(adapter_id)
+        if adapter is not None:
+            self.entries.move_to_end(adapter_id)
+        return adapter
+
+    def put(self, adapter: LoRAAdapter) -> None:
+        self.entries[adapter.adapter_id] = adapter
+        self.entries.move_to_end(adapter.adapter_id)
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+
+    def drop(self, adapter_id: str) -> None:
+        self.entries.pop(adapter_id, None)

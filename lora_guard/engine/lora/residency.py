@@ -1,0 +1,434 @@
+"""Which adapters are resident in the pool, decided step by step.
+
+Three tiers: the pool (hot), host memory (warm), the adapter's folder on disk (cold). A cold
+adapter is read on the loader thread; the requests that need it wait without holding up others.
+
+Residency is per step: a request uses its adapter only while it is in a step's batch (``use``),
+so between two steps any resident adapter may leave, and the running requests that need it wait,
+parked with their KV kept, until it comes back. What keeps this from thrashing is the residency
+quantum: an adapter that running or waiting requests still need stays at least
+``quantum_s`` after its load. ``max_loras`` seats cap the adapters resident at once; the pool's
+free pages cap their bytes.
+
+In merged mode (the ``on-demand`` and ``static`` baselines) there is no pool: one adapter at a
+time is merged into the base weights, and a switch waits until no running request uses the
+weights merged now.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lora_guard.engine.kv_cache import BlockManager
+from lora_guard.engine.lora.checkpoint import AdapterError, LoRAAdapter
+from lora_guard.engine.lora.loader import AdapterLoader, HostCache
+from lora_guard.engine.lora.pool import AdapterLayout, CachePool, LayerWeights
+from lora_guard.engine.lora.registry import AdapterRegistry
+from lora_guard.engine.sequence import Sequence
+from lora_guard.plugins.manager import Hooks
+
+
+class Lookup(str, enum.Enum):
+    HOT = "hot"
+    WARM = "warm"
+    COLD = "cold"
+    LOADING = "loading"
+
+
+@dataclass(eq=False)
+class Resident:
+    """One version of an adapter in the pool: pages ``[first_page, first_page + num_pages)``."""
+
+    adapter_id: str
+    content_hash: str
+    seat: int
+    first_page: int
+    layout: AdapterLayout
+    layers: list[LayerWeights]
+    loaded_at: float
+    last_used: float
+    in_step: int = 0  # requests of the step being formed that compute with it
+    stale: bool = False  # replaced on disk: serves only the requests that started under it
+
+    @property
+    def num_pages(self) -> int:
+        return self.layout.num_pages
+
+
+@dataclass
+class AdapterStats:
+    lookups: dict[Lookup, int] = field(default_factory=lambda: dict.fromkeys(Lookup, 0))
+    loads: int = 0
+    failures: int = 0
+    evictions: int = 0
+    swap_ms: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Binding:
+    """Merged mode: the request computes with the merged weights named ``content_hash``."""
+
+    content_hash: str | None
+
+
+class ResidencyManager:
+    def __init__(
+        self,
+        pool: CachePool | None,
+        blocks: BlockManager,
+        host: HostCache,
+        loader: AdapterLoader,
+        registry: AdapterRegistry,
+        max_loras: int,
+        quantum_s: float = 1.0,
+        events: Hooks | None = None,
+        merge: Callable[[LoRAAdapter | None], None] | None = None,
+    ) -> None:
+        self.pool, self.blocks, self.host, self.loader = pool, blocks, host, loader
+        self.registry, self.events, self.merge = registry, events, merge
+        self.quantum_s = quantum_s
+        self.seats: list[Resident | None] = [None] * (0 if merge else max_loras)
+        self.pinned: frozenset[str] = frozenset()
+        self.top = 0  # pages [0, top) hold adapters
+        self.stats = AdapterStats()
+        self.demand: Counter[str] = Counter()  # requests (running or waiting) per adapter
+        self.bound: Counter[tuple[str, str]] = Counter()  # running requests per version
+        self.short_of_pages = False
+        self.merged: LoRAAdapter | None = None
+        self.merged_refs = 0
+        self._layouts: dict[str, AdapterLayout] = {}  # by content hash
+        self._load_started: dict[str, float] = {}  # disk reads under way: perf_counter at start
+        self._read_ms: dict[str, float] = {}  # read from disk, not yet resident: the read's ms
+        self._disk_reads: deque[float] = deque()  # monotonic start times, last 10 minutes
+
+    @property
+    def merged_mode(self) -> bool:
+        return self.merge is not None
+
+    # registry
+    def register(self, adapter_id: str, path: Path, root: Path | None = None) -> None:
+        """Add or replace an adapter; a replaced one is read again from disk on its next use,
+        while requests that started under the old weights finish under them."""
+        self.registry.add(adapter_id, path, root)
+        self.host.drop(adapter_id)
+        self._read_ms.pop(adapter_id, None)
+        for entry in self.residents():
+            if entry.adapter_id == adapter_id:
+                entry.stale = True
+
+    def unregister(self, adapter_id: str) -> None:
+        self.registry.remove(adapter_id)
+        self.host.drop(adapter_id)
+        self._read_ms.pop(adapter_id, None)
+        for entry in self.residents():
+            if entry.adapter_id == adapter_id:
+                entry.stale = True
+        self._drop_unused_stale()
+
+    def knows(self, adapter_id: str) -> bool:
+        return adapter_id in self.registry
+
+    # lookups
+    def residents(self) -> list[Resident]:
+        return [entry for entry in self.seats if entry is not None]
+
+    def current(self, adapter_id: str) -> Resident | None:
+        """The resident entry of ``adapter_id``'s current weights, if any."""
+        for entry in self.seats:
+            if entry is not None and entry.adapter_id == adapter_id and not entry.stale:
+                return entry
+        return None
+
+    def version(self, adapter_id: str, content_hash: str) -> Resident | None:
+        for entry in self.seats:
+            if entry is not None and (entry.adapter_id, entry.content_hash) == (
+                adapter_id,
+                content_hash,
+            ):
+                return entry
+        return None
+
+    def tier(self, adapter_id: str) -> Lookup:
+        """Where ``adapter_id`` is now. Raises :class:`AdapterError` for an unknown adapter."""
+        if self.current(adapter_id) is not None or (
+            self.merged is not None and self.merged.adapter_id == adapter_id
+        ):
+            return Lookup.HOT
+        if adapter_id in self.loader.pending:
+            return Lookup.LOADING
+        if adapter_id in self.host.entries:
+            return Lookup.WARM
+        if adapter_id not in self.registry:
+            raise AdapterError(f"adapter {adapter_id!r} is not known")
+        return Lookup.COLD
+
+    def pages_needed(self, adapter_id: str) -> int | None:
+        """Pages ``adapter_id`` takes in the pool, when its weights are in host memory."""
+        adapter = self.host.entries.get(adapter_id)
+        return None if adapter is None or self.pool is None else self._layout(adapter).num_pages
+
+    def needs_eviction(self, adapter_id: str) -> bool:
+        """Whether bringing ``adapter_id`` in now must evict an adapter that requests still need
+        (thrash). Taking a free seat and free pages, or those of adapters no request needs, is
+        not."""
+        now = time.monotonic()
+        idle = [
+            e for e in self.residents() if not self.demand[e.adapter_id] and self.evictable(e, now)
+        ]
+        if all(entry is not None for entry in self.seats) and not idle:
+            return True
+        need = self.pages_needed(adapter_id)
+        room = self.blocks.num_free_blocks + sum(e.num_pages for e in idle)
+        return need is not None and need > room
+
+    # the step
+    def begin_step(self, demand: Counter[str], bound: Counter[tuple[str, str]]) -> None:
+        """A new step is being formed: no request uses any adapter yet."""
+        self.demand, self.bound = demand, bound
+        self.short_of_pages = False  # set when a load waits for pages that KV in use holds
+        for entry in self.residents():
+            entry.in_step = 0
+        self._drop_unused_stale()
+
+    def end_step(self) -> None:
+        """The step ran: no request computes with any adapter until the next one is formed."""
+        for entry in self.residents():
+            entry.in_step = 0
+
+    def use(self, entry: Resident) -> None:
+        entry.in_step += 1
+        entry.last_used = time.monotonic()
+
+    def evictable(self, entry: Resident, now: float) -> bool:
+        """Whether ``entry`` may leave the pool now: not pinned, not used by the step being
+        formed, not the old weights of running requests, and either no request needs it or it
+        has been resident for its quantum."""
+        if entry.in_step or (entry.adapter_id in self.pinned and not entry.stale):
+            return False
+        if entry.stale:
+            return self.bound[entry.adapter_id, entry.content_hash] == 0
+        return self.demand[entry.adapter_id] == 0 or now - entry.loaded_at >= self.quantum_s
+
+    def choose_seat(self, now: float) -> int | None:
+        """A free seat, else the seat of the adapter to evict: one no request needs (least
+        recently used first), else the one resident longest whose quantum is over."""
+        for seat, entry in enumerate(self.seats):
+            if entry is None:
+                return seat
+        candidates = [e for e in self.residents() if self.evictable(e, now)]
+        if not candidates:
+            return None
+        victim = min(candidates, key=lambda e: (self.demand[e.adapter_id] > 0, e.last_used))
+        return victim.seat
+
+    def acquire(
+        self, adapter_id: str, seat: int | None, holders: Iterable[Sequence]
+    ) -> Resident | None:
+        """Make ``adapter_id``'s current weights resident, in ``seat`` (or the seat
+        :meth:`choose_seat` picks), evicting what is there. None means wait: its read from disk
+        is under way (started now if it was cold), or no seat or pages can be freed now.
+        ``holders`` are the sequences that hold KV blocks (they may be moved). Raises
+        :class:`AdapterError` when the adapter is unknown or cannot fit in the pool at all."""
+        assert self.pool is not None, "merged mode has no pool"
+        entry = self.current(adapter_id)
+        if entry is not None:
+            return entry
+        now = time.monotonic()
+        adapter = self.host.get(adapter_id)
+        if adapter is None:
+            if self.tier(adapter_id) is Lookup.COLD:
+                self._read_from_disk(adapter_id)
+            return None
+        layout = self._layout(adapter)
+        if layout.num_pages > self.pool.num_pages:
+            raise AdapterError(
+                f"adapter {adapter_id!r} needs {layout.nbytes} bytes, more than the whole cache "
+                f"pool ({self.pool.nbytes()} bytes)"
+            )
+        if seat is None:
+            seat = self.choose_seat(now)
+        if seat is None or not 0 <= seat < len(self.seats):
+            return None
+        occupant = self.seats[seat]
+        if occupant is not None and not self.evictable(occupant, now):
+            return None
+        victims = [occupant] if occupant is not None else []
+        freed = self.blocks.num_free_blocks + sum(v.num_pages for v in victims)
+        if freed < layout.num_pages:
+            idle = sorted(
+                (
+                    e
+                    for e in self.residents()
+                    if e not in victims and self.evictable(e, now) and not self.demand[e.adapter_id]
+                ),
+                key=lambda e: e.last_used,
+            )
+            for extra in idle:
+                if freed >= layout.num_pages:
+                    break
+                victims.append(extra)
+                freed += extra.num_pages
+            if freed < layout.num_pages:
+                self.short_of_pages = True
+                return None  # the pool is full of KV in use: wait for requests to finish
+        started = time.perf_counter()
+        for victim in victims:
+            self.evict(victim)
+        first = self.top
+        for src, dst in self.blocks.claim(range(first, first + layout.num_pages), holders):
+            self.pool.copy_page(src, dst)
+        self.top += layout.num_pages
+        self.pool.write(adapter, layout, first)
+        entry = Resident(
+            adapter_id, adapter.content_hash, seat, first, layout,
+            self.pool.views(layout, first), now, now,
+        )  # fmt: skip
+        self.seats[seat] = entry
+        self._loaded(adapter_id, seat, started)
+        return entry
+
+    def evict_for_kv(self, keep: Resident | None) -> bool:
+        """Evict the least recently used adapter that no request of the step being formed uses
+        (not pinned, not ``keep``, not old weights that running requests still need), to give
+        its pages to KV blocks; False when there is none. KV in use outranks the quantum: the
+        requests that need the adapter wait for it, parked or queued."""
+        candidates = [
+            e
+            for e in self.residents()
+            if e is not keep
+            and not e.in_step
+            and e.adapter_id not in self.pinned
+            and not (e.stale and self.bound[e.adapter_id, e.content_hash])
+        ]
+        if not candidates:
+            return False
+        self.evict(min(candidates, key=lambda e: e.last_used))
+        return True
+
+    def evict(self, entry: Resident) -> None:
+        """Take ``entry`` out of the pool; the adapters above it move down so no hole is left,
+        and its KV namespace's cached blocks become the first to be reused."""
+        assert self.pool is not None
+        n = entry.num_pages
+        self.seats[entry.seat] = None
+        for other in sorted(self.residents(), key=lambda e: e.first_page):
+            if other.first_page > entry.first_page:
+                self.pool.move_pages(other.first_page, other.first_page - n, other.num_pages)
+                other.first_page -= n
+                other.layers = self.pool.views(other.layout, other.first_page)
+        self.top -= n
+        self.blocks.release_pages(range(self.top, self.top + n))
+        self.blocks.demote(lambda scope: _scope_adapter(scope) == entry.adapter_id)
+        self.stats.evictions += 1
+        if self.events is not None:
+            self.events.notify(
+                "lora_guard_adapter_evicted", adapter_id=entry.adapter_id, slot=entry.seat
+            )
+
+    def adapter_pages(self) -> int:
+        return self.top
+
+    # disk
+    def _read_from_disk(self, adapter_id: str) -> None:
+        self._load_started[adapter_id] = time.perf_counter()
+        self._disk_reads.append(time.monotonic())
+        while self._disk_reads and self._disk_reads[0] < self._disk_reads[-1] - 600:
+            self._disk_reads.popleft()
+        entry = self.registry.get(adapter_id)
+        assert entry is not None
+        self.loader.submit(adapter_id, entry.path, entry.root)
+
+    def cold_loads_since(self, since: float) -> int:
+        """Adapter reads from disk started after ``since`` (``time.monotonic()``)."""
+        return sum(1 for t in self._disk_reads if t > since)
+
+    def poll(self) -> dict[str, AdapterError]:
+        """Move finished reads to the host tier; return the adapters whose read failed."""
+        failed = {}
+        for adapter_id, result in self.loader.collect():
+            started = self._load_started.pop(adapter_id, None)
+            read_ms = self.loader.read_ms.pop(adapter_id, 0.0)
+            if isinstance(result, LoRAAdapter):
+                entry = self.registry.get(adapter_id)
+                if entry is not None and entry.path == result.path:
+                    self.host.put(result)
+                    if started is not None:
+                        self._read_ms[adapter_id] = read_ms
+            else:
+                self.stats.failures += 1
+                failed[adapter_id] = result
+                if self.events is not None:
+                    self.events.notify(
+                        "lora_guard_adapter_load_failed", adapter_id=adapter_id, error=str(result)
+                    )
+        return failed
+
+    # merged mode
+    def acquire_merged(self, adapter_id: str | None) -> Binding | None:
+        """Bind a request to the merged weights of ``adapter_id`` (None: the base model), held
+        until :meth:`release_merged`; None means wait."""
+        assert self.merge is not None
+        started = time.perf_counter()
+        current = self.merged.adapter_id if self.merged is not None else None
+        if current == adapter_id:
+            self.merged_refs += 1
+            return Binding(self.merged.content_hash if self.merged else None)
+        adapter = None
+        if adapter_id is not None:
+            adapter = self.host.get(adapter_id)
+            if adapter is None:
+                if self.tier(adapter_id) is Lookup.COLD:
+                    self._read_from_disk(adapter_id)
+                return None
+        if self.merged_refs:
+            return None  # running requests still use the weights merged now
+        if current is not None:
+            self.stats.evictions += 1
+            if self.events is not None:
+                self.events.notify("lora_guard_adapter_evicted", adapter_id=current, slot=-1)
+        self.merge(adapter)
+        self.merged = adapter
+        self.merged_refs = 1
+        if adapter is not None:
+            self._loaded(adapter.adapter_id, -1, started)
+        return Binding(adapter.content_hash if adapter else None)
+
+    def release_merged(self) -> None:
+        self.merged_refs -= 1
+        assert self.merged_refs >= 0, "merged weights released twice"
+
+    # helpers
+    def _loaded(self, adapter_id: str, seat: int, started: float) -> None:
+        read_ms = self._read_ms.pop(adapter_id, None)
+        tier = Lookup.COLD if read_ms is not None else Lookup.WARM
+        swap_ms = (read_ms or 0.0) + (time.perf_counter() - started) * 1000
+        self.stats.loads += 1
+        self.stats.swap_ms.append(swap_ms)
+        if self.events is not None:
+            self.events.notify(
+                "lora_guard_adapter_loaded",
+                adapter_id=adapter_id, slot=seat, tier=tier.value, swap_ms=swap_ms,
+            )  # fmt: skip
+
+    def _layout(self, adapter: LoRAAdapter) -> AdapterLayout:
+        assert self.pool is not None
+        layout = self._layouts.get(adapter.content_hash)
+        if layout is None:
+            layout = self._layouts[adapter.content_hash] = self.pool.layout(adapter)
+        return layout
+
+    def _drop_unused_stale(self) -> None:
+        for entry in self.residents():
+            users = self.bound[entry.adapter_id, entry.content_hash]
+            if entry.stale and entry.in_step == 0 and not users:
+                self.evict(entry)
+
+
+def _scope_adapter(scope: object) -> object:
+    """The adapter id in a KV block's scope (see ``LLMEngine.bind_cache``)."""
+    return scope[3] if isinstance(scope, tuple) and len(scope) > 3 else None
