@@ -25,8 +25,8 @@ ServesCorrectly = Callable[..., None]
 class Store:
     """A server over a copy of the tiny adapters, plus spare copies to break."""
 
-    def __init__(self, server: ServerProcess, adapters: Path, outside: Path) -> None:
-        self.server, self.adapters, self.outside = server, adapters, outside
+    def __init__(self, server: ServerProcess, adapters: Path, outside: Path, log: Path) -> None:
+        self.server, self.adapters, self.outside, self.log = server, adapters, outside, log
 
     def generate(self, adapter: str, max_new_tokens: int = 8) -> httpx.Response:
         body = {"inputs": PROMPT, "parameters": {"max_new_tokens": max_new_tokens,
@@ -61,13 +61,13 @@ def store(tiny: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> 
     adapters, outside = root / "adapters", root / "outside"
     shutil.copytree(tiny_adapters, adapters)
     shutil.copytree(tiny_adapters / "a-02", outside / "a-02")  # a valid adapter, elsewhere
-    for name in [*INJURIES, "in-use-deleted", "in-use-swapped", "in-use-truncated"]:
+    for name in [*INJURIES, "in-use-deleted", "in-use-swapped", "in-use-truncated", "both"]:
         shutil.copytree(tiny_adapters / "a-01", adapters / name)
     server = start_server(
         model, adapters, "--cold-loads-per-minute", "1000", "--max-loras", "2",
         "--max-cpu-loras", "2", "--hot-set-size", "0", log=root / "server.log",
     )  # fmt: skip
-    yield Store(server, adapters, outside)
+    yield Store(server, adapters, outside, root / "server.log")
     assert server.stop() == 0
 
 
@@ -80,7 +80,8 @@ def _truncate(folder: Path, _: Path) -> None:
     (folder / WEIGHTS).write_bytes(data[: len(data) // 2])
 
 
-def _pickle_beside(folder: Path, outside: Path) -> None:
+def _pickle_alone(folder: Path, outside: Path) -> None:
+    (folder / WEIGHTS).unlink()
     (folder / "adapter_model.bin").write_bytes(payload_pickle(outside / "canary"))
 
 
@@ -115,7 +116,7 @@ INJURIES: dict[str, tuple[Callable[[Path, Path], None], str]] = {
     "no-config": (lambda f, _: (f / CONFIG).unlink(), "missing adapter_config.json"),
     "no-weights": (lambda f, _: (f / WEIGHTS).unlink(), "missing adapter_model.safetensors"),
     "bad-config": (lambda f, _: (f / CONFIG).write_text("{"), "is not valid JSON"),
-    "pickle-beside": (_pickle_beside, "pickle files are refused (adapter_model.bin)"),
+    "pickle-alone": (_pickle_alone, "holds only pickle weights (adapter_model.bin)"),
     "deleted": (lambda f, _: shutil.rmtree(f), "is not a folder"),
     "directory-in-place": (_directory_in_place, "adapter_model.safetensors is not a regular"),
     "pipe-in-place": (_pipe_in_place, "adapter_model.safetensors is not a regular file"),
@@ -139,6 +140,22 @@ def test_a_broken_adapter_fails_its_requests_with_424_and_the_reason(
     assert store.failed_loads() == failed + 1
     assert not (store.outside / "canary").exists()  # no pickle was ever loaded
     serves_correctly(store.server.url, adapters=[None, "a-00", "a-01"])
+
+
+def test_a_folder_with_safetensors_and_a_pickle_serves_and_never_opens_the_pickle(
+    store: Store, expected: dict[tuple[str, str | None], list[int]]
+) -> None:
+    # Many adapter repositories ship both files. Here the pickle is a named pipe: opening it to
+    # read would block the loader for good, so an answer at all proves it was never opened.
+    folder = store.adapters / "both"  # a copy of a-01
+    os.mkfifo(folder / "adapter_model.bin")
+    (folder / "adapter.pt").write_bytes(payload_pickle(store.outside / "canary"))
+    r = store.generate("both")
+    assert r.status_code == 200, r.text
+    assert [t["id"] for t in r.json()["details"]["tokens"]] == expected[PROMPT, "a-01"]
+    assert not (store.outside / "canary").exists()
+    said = [line for line in store.log.read_text().splitlines() if "adapter_model.bin" in line]
+    assert len(said) == 1 and "never read" in said[0], said  # said once
 
 
 def test_an_adapter_deleted_while_in_use_finishes_its_request_then_fails_with_424(

@@ -183,8 +183,7 @@ class Scheduler:
         return out
 
     def _bring_in_adapters(self, out: SchedulerOutput, waiting: list[Sequence]) -> None:
-        """Bring in the adapters that parked sequences need (oldest first), then those of the
-        waiting sequences, in the order batch form offers them."""
+        """Bring in the adapters that parked and waiting sequences need, the oldest need first."""
         now = time.monotonic()
 
         def needs(seq: Sequence) -> bool:
@@ -194,8 +193,10 @@ class Scheduler:
                 seq.adapter_needed_at = now
             return True
 
-        parked_first = sorted(filter(needs, self.running), key=lambda s: s.adapter_needed_at or now)
-        needing = [*parked_first, *filter(needs, waiting)]  # waiting ones in batch-form order
+        # Oldest need first; waiting ones that began to wait together keep batch form's order.
+        needing = sorted(
+            filter(needs, [*self.running, *waiting]), key=lambda s: s.adapter_needed_at or now
+        )
         tried: set[str] = set()
         for seq in needing:
             if seq.adapter_id in tried or seq.status is Status.FINISHED:

@@ -33,6 +33,7 @@ class ColdLoadBudget:
         self.queue_timeout_s = 10.0
         self.loads: deque[float] = deque()  # times of the evicting loads in the window
         self.queue: OrderedDict[str, float] = OrderedDict()  # request id -> when it queued
+        self.granted: dict[str, float] = {}  # adapter id -> when an evicting load was allowed
 
     @hookimpl
     def lora_guard_add_options(self, options: OptionRegistry) -> None:
@@ -99,7 +100,7 @@ class ColdLoadBudget:
         wait = self.retry_after(now, place)
         if wait == 0:
             del self.queue[request.request_id]
-            self.loads.append(now)
+            self.granted[request.adapter_id or ""] = now  # counted once it loads
             return None
         if now - queued_at >= self.queue_timeout_s:
             del self.queue[request.request_id]
@@ -109,6 +110,12 @@ class ColdLoadBudget:
                 max(wait, MIN_RETRY_AFTER_S),
             )
         return Defer("cold-load budget spent: waiting in order")
+
+    @hookimpl
+    def lora_guard_adapter_loaded(self, adapter_id: str) -> None:
+        granted = self.granted.pop(adapter_id, None)
+        if granted is not None:
+            self.loads.append(granted)
 
     @hookimpl
     def lora_guard_request_finished(self, request: RequestView) -> None:
