@@ -98,8 +98,12 @@ def drive(engine: LLMEngine, max_steps: int = 5000) -> dict[str, RequestOutput]:
 
 def test_an_adapter_takes_exactly_its_ranks(tiny_model: Path, tmp_path: Path) -> None:
     base = AutoModelForCausalLM.from_pretrained(tiny_model)
-    config = LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "up_proj"],
-                        rank_pattern={"k_proj": 2, "up_proj": 8}, init_lora_weights=False)  # fmt: skip
+    config = LoraConfig(
+        r=4,
+        target_modules=["q_proj", "k_proj", "v_proj", "up_proj"],
+        rank_pattern={"k_proj": 2, "up_proj": 8},
+        init_lora_weights=False,
+    )
     torch.manual_seed(1)
     get_peft_model(base, config).save_pretrained(str(tmp_path / "mixed"))
     llm = LLM(tiny_model, adapters={"mixed": tmp_path / "mixed"}, cache_memory=64 * PAGE_BYTES,
@@ -120,7 +124,7 @@ def test_an_adapter_takes_exactly_its_ranks(tiny_model: Path, tmp_path: Path) ->
     assert entry is not None and entry.num_pages == layout.num_pages
     for layer, weights in enumerate(entry.layers):
         qkv = weights["qkv"]
-        a_q, b_q = adapter.weights[layer, "q_proj"]
+        a_q = adapter.weights[layer, "q_proj"][0]
         a_k, b_k = adapter.weights[layer, "k_proj"]
         assert torch.equal(qkv.a, torch.cat([a_q, a_k, adapter.weights[layer, "v_proj"][0]]))
         assert [p.bt.shape for p in qkv.parts] == [(4, 64), (2, 32), (4, 32)]
@@ -284,8 +288,8 @@ def test_a_reload_under_load_never_mixes_versions(
     # the reload get the new ones, and r-01's requests rotate through the seats meanwhile.
     names = sorted(adapters)
     old, new = names[0], names[1]
-    llm = LLM(tiny_model, adapters={old: adapters[old], new: adapters[new], "other":
-              adapters[names[2]]}, max_loras=2, cache_memory="4MiB", residency_quantum_ms=5)  # fmt: skip
+    table = {old: adapters[old], new: adapters[new], "other": adapters[names[2]]}
+    llm = LLM(tiny_model, adapters=table, max_loras=2, cache_memory="4MiB", residency_quantum_ms=5)
     engine = llm.engine
     long = SamplingParams(max_new_tokens=30, ignore_eos=True)
     prompt = [5, 6, 7, 8, 9]
