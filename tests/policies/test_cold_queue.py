@@ -1,0 +1,55 @@
+"""The cold-load budget: loads into free memory are free; loads that evict an adapter still in use
+wait in an ordered queue, then get a busy answer whose retry-after is true."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from lora_guard import LLM, SamplingParams
+from lora_guard.adapter_maker import make_adapters
+from lora_guard.engine.llm_engine import RequestOutput
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("queue-adapters")
+    return {f.name: f for f in make_adapters(tiny_model, out, n=6, ranks=(4,), prefix="q")}
+
+
+def test_over_the_budget_requests_queue_in_order_then_get_a_true_retry_after(
+    tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    # Two seats, one thrashing load a minute, a queue of 0.3 s: of six long requests on six
+    # adapters, two load into free seats, one evicts an adapter still in use (the budget), and
+    # the three others wait in the queue, then are told to come back when the window has room.
+    queue_s = 0.3
+    llm = LLM(tiny_model, adapters=adapters, max_loras=2, cache_memory="4MiB",
+              residency_quantum_ms=0,
+              settings={"cold_loads_per_minute": 1, "cold_queue_timeout": queue_s})  # fmt: skip
+    engine = llm.engine
+    engine.scheduler.reject_when_busy = True  # as a server's engine: busy is a 429
+    params = SamplingParams(max_new_tokens=400, ignore_eos=True)
+    added = time.monotonic()
+    for i, name in enumerate(sorted(adapters)):
+        engine.add_request(f"r{i}", [5, 6, 7, 10 + i], params, name)
+    finished: dict[str, tuple[RequestOutput, float]] = {}
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        for out in outputs:
+            if out.finished:
+                finished[out.request_id] = (out, time.monotonic() - added)
+        if not outputs:
+            time.sleep(0.001)
+    rejected = {rid: (out, at) for rid, (out, at) in finished.items() if out.error is not None}
+    served = {rid for rid, (out, _) in finished.items() if out.finish_reason == "length"}
+    assert len(served) >= 3 and len(rejected) >= 1 and len(served) + len(rejected) == 6
+    for out, at in rejected.values():
+        assert at >= queue_s  # it waited in the queue first
+        assert out.retry_after is not None and 0 < out.retry_after <= 60
+        assert "cold-load budget" in (out.error or "")
+    # The budget's one load is in its window until a minute after it: the retry-afters say so.
+    assert max(out.retry_after or 0 for out, _ in rejected.values()) > 55
+    engine.check_no_leaks()
