@@ -9,6 +9,8 @@ tenants (``X-Tenant-Id``) trigger it; every other request is left alone:
   (an exception outside the forward pass means the engine's own state may be broken).
 - ``fault-plugin``: this plugin's own ``batch_form`` hook raises. The hook layer contains plugin
   faults by design: logged, counted, the engine's default applies and the request is served.
+- ``busy``: this plugin answers its adapter loads with ``Reject`` (busy, retry after 2.5 s), as a
+  spent load budget would: the request gets 429 with ``Retry-After: 3``.
 - ``hold``: waiting requests stay waiting (``batch_form`` leaves them out) while the file named
   by ``$FAULTS_HOLD_FILE`` exists, so a test can keep requests in flight as long as it
   needs; the number held is written to that name plus ``.count``.
@@ -28,12 +30,14 @@ from typing import Any
 from lora_guard import hookimpl
 from lora_guard.engine.runner import ModelRunner
 from lora_guard.engine.scheduler import Scheduler
+from lora_guard.plugins import Reject
 from lora_guard.plugins.state import RequestView
 
 STEP_FAULT = "fault-step"
 LOOP_FAULT = "fault-loop"
 PLUGIN_FAULT = "fault-plugin"
 HOLD = "hold"
+BUSY = "busy"
 HOLD_FILE_ENV = "FAULTS_HOLD_FILE"
 
 
@@ -71,6 +75,12 @@ class FaultInjector:
             ModelRunner.run = _wrap_run(ModelRunner.run)  # type: ignore[method-assign]
         if not getattr(Scheduler.schedule, "injected", False):
             Scheduler.schedule = _wrap_schedule(Scheduler.schedule)  # type: ignore[method-assign]
+
+    @hookimpl(tryfirst=True)
+    def lora_guard_adapter_load(self, request: RequestView) -> Reject | None:
+        if request.tenant_id == BUSY:
+            return Reject(f"adapter {request.adapter_id!r}: busy (injected)", 2.5)
+        return None
 
     @hookimpl
     def lora_guard_batch_form(self, waiting: Sequence[RequestView]) -> list[str] | None:

@@ -130,10 +130,27 @@ def test_a_plugin_that_raises_is_contained_and_the_request_served(
     reference = post(server.url, "default", adapter_id="a-01")
     r = post(server.url, "fault-plugin", adapter_id="a-01")
     assert r.status_code == 200, r.text
-    assert r.json()["details"]["tokens"] == reference.json()["details"]["tokens"]
+    tokens, expected = r.json()["details"]["tokens"], reference.json()["details"]["tokens"]
+    assert [t["id"] for t in tokens] == [t["id"] for t in expected]
+    assert [t["logprob"] for t in tokens] == pytest.approx([t["logprob"] for t in expected])
     assert "plugin fault in lora_guard_batch_form" in (hold.parent / "server.log").read_text()
     assert httpx.get(server.url + "/health").status_code == 200
     serves_correctly(server.url, adapters=["a-01"])
+
+
+def test_a_busy_answer_from_a_policy_is_429_with_its_retry_after(
+    faulty: tuple[ServerProcess, Path], tiny: tuple[Path, Path], serves_correctly: ServesCorrectly
+) -> None:
+    server, _ = faulty
+    # Registered again, a-02 is cold: its load is asked of the policies, which say busy.
+    admin = {"lora_name": "a-02", "lora_path": str(tiny[1] / "a-02")}
+    for route in ("/v1/unload_lora_adapter", "/v1/load_lora_adapter"):
+        assert httpx.post(server.url + route, json=admin, timeout=30).status_code == 200
+    r = post(server.url, "busy", adapter_id="a-02")
+    assert r.status_code == 429, r.text
+    assert r.json()["error_type"] == "overloaded" and "busy" in r.json()["error"]
+    assert r.headers["Retry-After"] == "3"  # 2.5 s, rounded up
+    serves_correctly(server.url, adapters=["a-02"])
 
 
 def test_beyond_max_concurrent_requests_the_answer_is_429_with_retry_after(

@@ -190,7 +190,8 @@ class MetricsPlugin:
         )
         self.vllm_kv_cache_usage_perc = Gauge(
             "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage.",
+            "KV-cache usage: the share of the cache pool held by KV blocks in use. 1 means 100 "
+            "percent usage.",
             registry=reg,
         )
         # TGI's names, for existing dashboards. TGI's counters carry no _total suffix, which
@@ -312,7 +313,7 @@ class MetricsPlugin:
             self.vllm_num_preemptions, self._last_preemptions, state.num_preemptions
         )
         self.memory_watermark.set(state.memory_watermark)
-        self.vllm_kv_cache_usage_perc.set(state.memory_watermark)
+        self.vllm_kv_cache_usage_perc.set(state.kv_share)
         self.vllm_num_requests_running.set(state.num_running)
         self.vllm_num_requests_waiting.set(state.num_waiting)
         self.tgi_queue_size.set(state.num_waiting)
