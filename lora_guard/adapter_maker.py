@@ -40,9 +40,14 @@ class AdapterSpec:
 
 
 def plan_adapters(
-    n: int, ranks: Sequence[int], seed: int = 0, prefix: str = "adapter"
+    n: int,
+    ranks: Sequence[int],
+    seed: int = 0,
+    prefix: str = "adapter",
+    all_projections: bool = False,
 ) -> list[AdapterSpec]:
-    """Adapter i takes rank ``ranks[i % len(ranks)]``; target sets alternate per rank cycle."""
+    """Adapter i takes rank ``ranks[i % len(ranks)]``; target sets alternate per rank cycle
+    (attention only, then attention and MLP), or are every projection with ``all_projections``."""
     if n < 1:
         raise AdapterMakerError(f"--n must be at least 1, got {n}")
     if not ranks or any(r < 1 for r in ranks):
@@ -50,7 +55,7 @@ def plan_adapters(
     specs = []
     for i in range(n):
         rank = ranks[i % len(ranks)]
-        with_mlp = (i // len(ranks)) % 2 == 1
+        with_mlp = all_projections or (i // len(ranks)) % 2 == 1
         specs.append(
             AdapterSpec(
                 name=f"{prefix}-{i:02d}",
@@ -73,13 +78,14 @@ def make_adapters(
     seed: int = 0,
     prefix: str = "adapter",
     strength: float = 0.1,
+    all_projections: bool = False,
     log: Callable[[str], None] = lambda _msg: None,
 ) -> list[Path]:
     """Write ``n`` PEFT adapters for the checkpoint in ``base`` into ``out/<name>/``.
 
     Also writes ``out/adapters.json`` describing them. Returns the adapter folders.
     """
-    specs = plan_adapters(n, ranks, seed, prefix)
+    specs = plan_adapters(n, ranks, seed, prefix, all_projections)
     if not (base / "config.json").is_file():
         raise AdapterMakerError(f"{base} is not a Hugging Face checkpoint (no config.json)")
 

@@ -3,8 +3,11 @@
     python -m lora_guard.bench.engine [--model DIR --adapter-dir DIR] [--batches 1,8,32]
 
 Prints, for batch sizes 1, 8 and 32: the engine's decode step time for the base model alone and for
-a batch mixing 8 adapters; the same prompts through transformers + PEFT mixed-adapter ``generate``;
-and this machine's torch matmul peak. Defaults to the demo model (prepared if missing), float32.
+a batch mixing 8 adapters; the bytes floor of that mix (a step must read the base weights and, for
+a mixed batch, every adapter's weights once: (base bytes + adapter bytes) / base bytes); the same
+prompts through transformers + PEFT mixed-adapter ``generate``; and this machine's torch matmul
+peak. Defaults to the demo model (prepared if missing) with 8 adapters made for the run (ranks 8,
+16 and 32 on every projection, seeded), float32.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,12 +25,14 @@ from typing import Any
 import torch
 
 from lora_guard.engine import LLM, SamplingParams
+from lora_guard.engine.lora import read_adapter
 from lora_guard.engine.lora.registry import scan_adapter_dir
 
 
 @dataclass
 class Row:
     batch: int
+    bytes_floor: float  # (base bytes + the batch's adapter bytes) / base bytes
     engine_base_step_ms: float
     engine_mixed_step_ms: float
     engine_mixed_tokens_per_s: float
@@ -37,6 +43,10 @@ class Row:
     @property
     def mixed_over_base(self) -> float:
         return self.engine_mixed_step_ms / self.engine_base_step_ms
+
+    @property
+    def over_floor(self) -> float:
+        return self.mixed_over_base / self.bytes_floor
 
     @property
     def speedup_over_peft(self) -> float:
@@ -123,11 +133,16 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", type=Path, help="checkpoint (default: the demo model)")
-    parser.add_argument("--adapter-dir", type=Path, help="adapters (default: the demo adapters)")
+    parser.add_argument(
+        "--adapter-dir",
+        type=Path,
+        help="adapters (default: 8 made for the run, ranks 8-32, every projection)",
+    )
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--adapters", type=int, default=8, help="adapters mixed in a batch")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--lora-compute", default="loop", choices=("loop", "batched"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip-peft", action="store_true", help="engine figures only")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -136,26 +151,36 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is None:
         from lora_guard.demo import prepare_demo
 
-        demo = prepare_demo(log=lambda _msg: None)
-        args.model, args.adapter_dir = demo.model_dir, args.adapter_dir or demo.adapter_dir
+        args.model = prepare_demo(log=lambda _msg: None).model_dir
     if args.adapter_dir is None:
-        parser.error("--adapter-dir is needed with --model")
+        from lora_guard.adapter_maker import make_adapters
+
+        args.adapter_dir = Path(tempfile.mkdtemp(prefix="lora-guard-bench-"))
+        make_adapters(args.model, args.adapter_dir, n=args.adapters, ranks=(8, 16, 32),
+                      prefix="bench", all_projections=True)  # fmt: skip
     names = [adapter_id for adapter_id, _ in scan_adapter_dir(args.adapter_dir)][: args.adapters]
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.device(args.device)
 
     llm = LLM(args.model, adapters={n: args.adapter_dir / n for n in names},
-              max_loras=len(names), kv_cache_memory="1GiB", dtype=args.dtype, device=device,
-              max_num_seqs=max(batches))  # fmt: skip
+              max_loras=len(names), cache_memory="1GiB", dtype=args.dtype, device=device,
+              max_num_seqs=max(batches), lora_compute=args.lora_compute)  # fmt: skip
     tokenizer = llm.tokenizer
-    engine_runs: dict[int, tuple[float, float, float]] = {}
+    engine = llm.engine
+    base_bytes = engine.model.weight_bytes()
+    adapter_bytes = {
+        n: engine.pool.layout(read_adapter(n, args.adapter_dir / n, engine.model.spec, 64)).nbytes
+        for n in names
+    }
+    engine_runs: dict[int, tuple[float, float, float, float]] = {}
     engine_run(llm, _prompts(tokenizer, len(names)), list(names), 4)  # warm-up, loads adapters
     for batch in batches:
         prompts = _prompts(tokenizer, batch)
         mixed = [names[i % len(names)] for i in range(batch)]
         base_ms, _ = engine_run(llm, prompts, [None] * batch, args.new_tokens)
         mixed_ms, mixed_tps = engine_run(llm, prompts, list(mixed), args.new_tokens)
-        engine_runs[batch] = (base_ms, mixed_ms, mixed_tps)
+        floor = (base_bytes + sum(adapter_bytes[n] for n in set(mixed))) / base_bytes
+        engine_runs[batch] = (floor, base_ms, mixed_ms, mixed_tps)
     llm.engine.shutdown()
     del llm
 
@@ -187,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({
             "device": str(device), "dtype": args.dtype, "matmul_peak_gflops": peak,
             "adapters": names, "new_tokens": args.new_tokens,
-            "rows": [asdict(r) | {"mixed_over_base": r.mixed_over_base,
+            "rows": [asdict(r) | {"mixed_over_base": r.mixed_over_base, "over_floor": r.over_floor,
                                   "speedup_over_peft": r.speedup_over_peft} for r in rows],
         }, indent=2) + "\n")  # fmt: skip
     return 0
@@ -198,13 +223,14 @@ def _print(rows: list[Row], peak: float, args: argparse.Namespace, names: list[s
           f"{torch.get_num_threads()} threads; matmul peak {peak:.0f} GFLOP/s")  # fmt: skip
     print(f"mixed batches cycle over {len(names)} adapters: {', '.join(names)}; "
           f"{args.new_tokens} new tokens per request\n")  # fmt: skip
-    print("| batch | engine base step ms | engine mixed step ms | mixed / base "
-          "| PEFT base step ms | PEFT mixed step ms | engine mixed tok/s | PEFT mixed tok/s "
-          "| engine / PEFT tok/s |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| batch | engine base step ms | engine mixed step ms | mixed / base | bytes floor "
+          "| mixed / floor | PEFT base step ms | PEFT mixed step ms | engine mixed tok/s "
+          "| PEFT mixed tok/s | engine / PEFT tok/s |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r.batch} | {r.engine_base_step_ms:.1f} | {r.engine_mixed_step_ms:.1f} "
-              f"| {r.mixed_over_base:.2f}x | {r.peft_base_step_ms:.1f} "
+              f"| {r.mixed_over_base:.2f}x | {r.bytes_floor:.2f}x | {r.over_floor:.2f}x "
+              f"| {r.peft_base_step_ms:.1f} "
               f"| {r.peft_mixed_step_ms:.1f} "
               f"| {r.engine_mixed_tokens_per_s:.1f} | {r.peft_mixed_tokens_per_s:.1f} "
               f"| {r.speedup_over_peft:.2f}x |")  # fmt: skip
