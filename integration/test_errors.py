@@ -43,3 +43,11 @@ def test_malformed_body_is_422(server: Server) -> None:
     r = httpx.post(server.url + "/generate", json={"parameters": {}})
     assert r.status_code == 422 and r.json()["error_type"] == "validation"
     assert "inputs" in r.json()["error"]
+
+
+def test_the_base_model_is_named_never_a_path(server: Server) -> None:
+    info = httpx.get(server.url + "/info").json()
+    models = httpx.get(server.url + "/v1/models").json()["data"]
+    names = [info["model_id"], *(m["id"] for m in models), *(m.get("parent", "") for m in models)]
+    assert info["model_id"] and all("/" not in n and "\\" not in n for n in names), names
+    assert models[0]["id"] == info["model_id"]

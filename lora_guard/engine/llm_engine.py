@@ -75,9 +75,7 @@ class LLMEngine:
         self.model = LlamaModel(model_dir, config.torch_dtype, config.torch_device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         spec = self.model.spec
-        self.model_id = (
-            config.model_id or getattr(self.model.config, "name_or_path", "") or str(model_dir)
-        )
+        self.model_id = config.model_id or model_name(model_dir, self.model.config)
         self.eos_token_ids = _eos_ids(self.model.config, self.tokenizer)
 
         page_bytes = CachePool.page_bytes(spec, config.block_size, config.torch_dtype)
@@ -359,6 +357,20 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.adapters.loader.shutdown()
+
+
+def model_name(model_dir: Path, hf_config: Any) -> str:
+    """The base model's name for ``/info``, ``/v1/models`` and responses, never a path: the name
+    its manifest or config records (``SmolLM2-135M-Instruct`` of ``HuggingFaceTB/...``), else
+    the checkpoint folder's name."""
+    from lora_guard.manifest import read_manifest
+
+    manifest = read_manifest(model_dir) or {}
+    recorded = manifest.get("info", {}).get("model_id") or getattr(hf_config, "name_or_path", "")
+    recorded = str(recorded or "")
+    if recorded and not Path(recorded).expanduser().exists() and not recorded.startswith("/"):
+        return recorded.rstrip("/").rsplit("/", 1)[-1]
+    return model_dir.resolve().name
 
 
 def encode_text(tokenizer: Any, prompt: str) -> list[int]:
