@@ -325,3 +325,22 @@ def test_generate_answers_every_prompt_over_more_adapters_than_the_cold_budget(
                         SamplingParams(max_new_tokens=4, ignore_eos=True), ids)  # fmt: skip
     assert [o.finish_reason for o in outs] == ["length"] * 32, [o.error for o in outs if o.error]
     llm.engine.check_no_leaks()
+
+
+def test_bfloat16_keeps_adapter_pages_in_bfloat16_and_serves(
+    tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    names = sorted(adapters)
+    llm = LLM(tiny_model, adapters=adapters, cache_memory="4MiB", dtype="bfloat16", max_loras=2)
+    assert llm.engine.pool.arena.dtype == torch.bfloat16
+    prompts = [[5, 6, 7, 8, 9 + i] for i in range(6)]
+    ids = [None, *names[:5]]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True), ids)
+    assert [o.finish_reason for o in outs] == ["length"] * 6
+    entry = llm.engine.adapters.residents()[0]
+    adapter = read_adapter(entry.adapter_id, adapters[entry.adapter_id], llm.engine.model.spec, 64)
+    qkv = entry.layers[0]["qkv"]
+    a_q = adapter.weights[0, "q_proj"][0]
+    assert qkv.a.dtype == torch.bfloat16
+    assert torch.allclose(qkv.a[: a_q.shape[0]].float(), a_q, rtol=1e-2, atol=1e-2)
+    llm.engine.check_no_leaks()
