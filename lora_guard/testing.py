@@ -237,3 +237,28 @@ def engine_greedy(
         return [list(out.token_ids) for out in outputs]
     finally:
         llm.engine.shutdown()
+
+
+class SoloGreedy:
+    """Greedy tokens of one request run alone (no other request in its steps, no prefix cache),
+    memoised: what a request must get whatever shares its batch. Call ``close`` when done."""
+
+    def __init__(self, model: Path, adapters: dict[str, Path]) -> None:
+        from lora_guard import LLM
+
+        table: dict[str, str | Path] = dict(adapters)
+        self.llm = LLM(model, adapters=table, kv_cache_memory="4MiB", policies="lru",
+                       enable_prefix_caching=False, device="cpu", dtype="float32")  # fmt: skip
+        self.memo: dict[tuple[tuple[int, ...], str | None, int], list[int]] = {}
+
+    def __call__(self, prompt: list[int], adapter: str | None, n: int) -> list[int]:
+        from lora_guard import SamplingParams
+
+        key = (tuple(prompt), adapter, n)
+        if key not in self.memo:
+            params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+            self.memo[key] = self.llm.generate(prompt, params, adapter)[0].token_ids
+        return self.memo[key]
+
+    def close(self) -> None:
+        self.llm.engine.shutdown()

@@ -21,6 +21,7 @@ from lora_guard.engine.llm_engine import LLMEngine, RequestOutput
 from lora_guard.engine.lora import read_adapter
 from lora_guard.engine.lora.compute import LoraBatch, LoraSegment
 from lora_guard.plugins import hookimpl
+from lora_guard.testing import SoloGreedy
 
 NUM_ADAPTERS = 7
 PAGE_BYTES = 2 * 2 * 4 * 2 * 16 * 4  # layers * k/v * block tokens * kv heads * head dim * fp32
@@ -34,21 +35,11 @@ def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 
 @pytest.fixture(scope="module")
-def solo(tiny_model: Path, adapters: dict[str, Path]) -> Iterator[Any]:
+def solo(tiny_model: Path, adapters: dict[str, Path]) -> Iterator[SoloGreedy]:
     """Greedy tokens of one request run alone, without prefix caching (memoised)."""
-    llm = LLM(tiny_model, adapters=adapters, kv_cache_memory="4MiB", policies="lru",
-              enable_prefix_caching=False)  # fmt: skip
-    memo: dict[tuple[tuple[int, ...], str | None, int], list[int]] = {}
-
-    def run(prompt: list[int], adapter: str | None, n: int) -> list[int]:
-        key = (tuple(prompt), adapter, n)
-        if key not in memo:
-            params = SamplingParams(max_new_tokens=n, ignore_eos=True)
-            memo[key] = llm.generate(prompt, params, adapter)[0].token_ids
-        return memo[key]
-
-    yield run
-    llm.engine.shutdown()
+    runner = SoloGreedy(tiny_model, adapters)
+    yield runner
+    runner.close()
 
 
 class Evictions:

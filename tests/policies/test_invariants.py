@@ -8,7 +8,7 @@ wrapper hooks, and checks the invariants.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from lora_guard.engine.llm_engine import RequestOutput
 from lora_guard.plugins import Load, hookimpl
 from lora_guard.plugins.decisions import AdapterDecision
 from lora_guard.plugins.state import EngineState, RequestView
+from lora_guard.testing import SoloGreedy
 
 NUM_ADAPTERS = 6
 MAX_STEPS = 3000
@@ -68,20 +69,11 @@ def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 
 @pytest.fixture(scope="module")
-def solo(tiny_model: Path, adapters: dict[str, Path]) -> Any:
+def solo(tiny_model: Path, adapters: dict[str, Path]) -> Iterator[SoloGreedy]:
     """Greedy tokens of one request run alone, without prefix caching (memoised)."""
-    llm = LLM(tiny_model, adapters=adapters, kv_cache_memory="4MiB", policies="lru",
-              enable_prefix_caching=False)  # fmt: skip
-    memo: dict[tuple[tuple[int, ...], str | None, int], list[int]] = {}
-
-    def run(prompt: list[int], adapter: str | None, n: int) -> list[int]:
-        key = (tuple(prompt), adapter, n)
-        if key not in memo:
-            params = SamplingParams(max_new_tokens=n, ignore_eos=True)
-            memo[key] = llm.generate(prompt, params, adapter)[0].token_ids
-        return memo[key]
-
-    return run
+    runner = SoloGreedy(tiny_model, adapters)
+    yield runner
+    runner.close()
 
 
 request = st.tuples(
