@@ -102,7 +102,11 @@ def test_a_workload_shows_in_the_metrics(tiny_model: Path, adapters: dict[str, P
 
     assert _value(s, "vllm:num_requests_running") == 0
     assert _value(s, "vllm:num_requests_waiting") == 0
-    assert _value(s, "vllm:kv_cache_usage_perc") == _value(s, "lora_guard_memory_watermark")
+    # Idle: no KV block in use; the pool holds only the resident adapters' pages.
+    assert _value(s, "vllm:kv_cache_usage_perc") == 0
+    pool = {k: _value(s, "lora_guard_cache_pool_bytes", kind=k) for k in ("kv", "adapter", "free")}
+    assert pool["kv"] == 0 and pool["adapter"] > 0
+    assert _value(s, "lora_guard_memory_watermark") == pool["adapter"] / sum(pool.values())
     info = _labelsets(s, "vllm:lora_requests_info")
     assert len(info) == 1 and info[0]["max_lora"] == "2"
     assert set(info[0]) == {"running_lora_adapters", "waiting_lora_adapters", "max_lora"}

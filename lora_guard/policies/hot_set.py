@@ -2,15 +2,15 @@
 hit them.
 
 Heat is the number of requests per (tenant, adapter) over a sliding window. The hot set is the
-pinned adapters (``pin``) plus the ``hot_set_size`` hottest (default: all slots but one, which
+pinned adapters (``pin``) plus the ``hot_set_size`` hottest (default: all seats but one, which
 serves the cold tail). A warm adapter takes a free seat in the pool, else the seat of the coldest
 adapter outside the hot set that the engine lets leave now (its residency quantum over, or no
-request needing it); a hot adapter in use is displaced only by another hot one (an idle one
-when no other seat can), a pinned one never. A tenant already holding its fair share of the seats
-may evict only its own. A request that has waited ``max_wait_steps``, or a running one whose
-adapter left the pool (parked), may displace any adapter that is not pinned, so none waits for a
-seat forever. Batch form offers requests whose adapter is resident first, caps the distinct
-adapters per step (``max_loras_per_batch``), and puts aged requests ahead of all others.
+request needing it); a hot adapter is displaced only by another hot one, a pinned one never.
+A tenant already holding its fair share of the seats may evict only its own. A request that has
+waited ``max_wait_steps``, or a running one whose adapter left the pool (parked), may displace
+any adapter that is not pinned, so none waits for a seat forever. Batch form offers requests
+whose adapter is resident first, caps the distinct adapters per step (``max_loras_per_batch``),
+and puts aged requests ahead of all others.
 """
 
 from __future__ import annotations
@@ -134,10 +134,6 @@ class HotSetPolicy:
         candidates = [v for v in idle if v.adapter_id not in hot]
         if not candidates and (request.adapter_id in hot or aged):
             candidates = idle  # a hot adapter, or one waited on too long, may displace a hot one
-        if not candidates:
-            # A hot adapter that no running request uses costs a copy from host memory to bring
-            # back; a request kept waiting for a seat costs far more.
-            candidates = [v for v in idle if v.refs == 0]
         if not aged:
             tenants = {t for (t, _), n in self.tenant_heat.items() if n > 0}
             fair_share = math.ceil(len(state.slots) / max(len(tenants), 1))
