@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -47,12 +48,18 @@ def device_hit_rate(tiny_model: Path, adapters: dict[str, Path], policies: str) 
         pending = pending[PER_STEP:]
         outputs = engine.step()
         assert all(o.error is None for o in outputs), [o.error for o in outputs if o.error]
+        # Reads from disk land at the next step, whatever the machine's speed: the same run
+        # every time.
+        while not all(f.done() for f in engine.adapters.loader.pending.values()):
+            time.sleep(0.0005)
     engine.check_no_leaks()
     assert len(recorder.results) == REQUESTS
     return recorder.results.count("hot") / REQUESTS
 
 
-def test_hot_set_nears_the_offline_optimum(tiny_model: Path, adapters: dict[str, Path]) -> None:
+def test_hot_set_beats_lru_and_nears_the_offline_optimum(
+    tiny_model: Path, adapters: dict[str, Path]
+) -> None:
     trace = zipf_trace(NUM_ADAPTERS, REQUESTS, exponent=1.0, seed=0)
     optimum = belady_hit_rate(trace, SLOTS)
     lru = device_hit_rate(tiny_model, adapters, "lru")
@@ -60,10 +67,9 @@ def test_hot_set_nears_the_offline_optimum(tiny_model: Path, adapters: dict[str,
     print(f"hit rate: hot-set {hot_set:.3f}, lru {lru:.3f}, Belady {optimum:.3f}")
     # Each request is looked up once, when the scheduler first offers it, so Belady over the
     # arrival order bounds both (up to the small reordering batch form does).
-    # Both evict adapters no request needs first; which of the two is ahead varies with when the
-    # loader thread's reads land (0.62 to 0.73 seen for either), so each is held to the bound.
     assert max(hot_set, lru) <= optimum + 0.02
-    assert min(hot_set, lru) >= 0.8 * optimum
+    assert hot_set >= lru + 0.10
+    assert hot_set >= 0.85 * optimum
 
 
 def test_belady_on_a_small_trace() -> None:
