@@ -43,8 +43,7 @@ class LoraBatch:
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, layer: int, projection: str) -> None:
         """Add the LoRA update of ``projection`` in ``layer`` to ``y`` in place."""
-        present = [(s, s.layers[layer].get(projection)) for s in self.segments]
-        work = [(s, w) for s, w in present if w is not None]
+        work = [(s, w) for s in self.segments if (w := s.layers[layer].get(projection)) is not None]
         if not work:
             return
         if self.mode == "batched" and len(work) > 1:

@@ -330,9 +330,6 @@ class ResidencyManager:
                 "lora_guard_adapter_evicted", adapter_id=entry.adapter_id, slot=entry.seat
             )
 
-    def adapter_pages(self) -> int:
-        return self.top
-
     # disk
     def _read_from_disk(self, adapter_id: str) -> None:
         self._load_started[adapter_id] = time.perf_counter()
