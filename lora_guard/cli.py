@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lora_guard import __version__
+from lora_guard.personas import PERSONAS
 
 
 def _ranks(text: str) -> tuple[int, ...]:
@@ -39,9 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser(
         "prepare-demo",
-        help="prepare the demo model (SmolLM2-135M-Instruct) and its 24 adapters",
-        description="Convert the demo model's GGUF into a safetensors checkpoint and make 24 demo "
-        "adapters beside it, under $LORA_GUARD_HOME (default ~/.cache/lora-guard). Idempotent.",
+        help="prepare the demo model (SmolLM2-135M-Instruct), its 24 seeded adapters and "
+        "4 personas",
+        description="Convert the demo model's GGUF into a safetensors checkpoint and make 24 "
+        "seeded demo adapters beside it, with the 4 persona adapters that ship with lora-guard, "
+        "under $LORA_GUARD_HOME (default ~/.cache/lora-guard). Idempotent.",
     )
     demo.add_argument(
         "--home", type=Path, help="folder to prepare into (default: $LORA_GUARD_HOME)"
@@ -65,6 +68,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.1,
         help="norm of each update relative to its base weight (default 0.1)",
     )
+
+    train = commands.add_parser(
+        "train-adapter",
+        help="train a persona LoRA by context distillation (see lora_guard/personas)",
+        description="The base model, prompted with the persona's system prompt, answers generated "
+        "questions; a LoRA on q/k/v/o_proj learns to give those answers without the prompt. "
+        "Writes adapter_model.safetensors, adapter_config.json and training.json into OUT.",
+    )
+    who = train.add_mutually_exclusive_group(required=True)
+    who.add_argument("--persona", choices=sorted(PERSONAS), help="a persona of lora-guard's")
+    who.add_argument("--system-prompt", help="your own persona: the system prompt to distill")
+    train.add_argument("--out", type=Path, required=True, help="folder to write the adapter into")
+    train.add_argument(
+        "--model", type=Path, help="Hugging Face checkpoint folder (default: the demo model)"
+    )
+    train.add_argument("--rank", type=int, default=8, help="LoRA rank, 1 to 16 (default 8)")
+    train.add_argument("--steps", type=int, default=80, help="optimizer steps (default 80)")
+    train.add_argument("--batch-size", type=int, default=8, help="default 8")
+    train.add_argument("--learning-rate", type=float, default=1e-3, help="default 1e-3")
+    train.add_argument("--questions", type=int, default=96, help="questions asked (default 96)")
+    train.add_argument("--seed", type=int, default=0, help="default 0")
+    train.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
 
     bench = commands.add_parser(
         "bench",
@@ -111,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _prepare_demo(args)
         if args.command == "make-adapters":
             return _make_adapters(args)
+        if args.command == "train-adapter":
+            return _train_adapter(args, argv)
         if args.command == "plugins":
             return _plugins(args)
         if args.command == "bench":
@@ -212,6 +239,52 @@ def _make_adapters(args: argparse.Namespace) -> int:
         print(f"lora-guard make-adapters: error: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {len(folders)} adapters to {args.out}")
+    return 0
+
+
+def _train_adapter(args: argparse.Namespace, argv: list[str]) -> int:
+    from lora_guard.paths import DemoPaths
+    from lora_guard.personas import Persona, persona
+    from lora_guard.train_adapter import TrainAdapterError, TrainSettings, train_persona
+
+    def fail(message: str) -> int:
+        print(f"lora-guard train-adapter: error: {message}", file=sys.stderr)
+        return 1
+
+    model = args.model or DemoPaths.under().model_dir
+    if args.model is None and not (model / "config.json").is_file():
+        return fail(
+            "the demo model is not prepared: run `lora-guard prepare-demo`, or give --model"
+        )
+    if args.threads is not None:
+        if args.threads < 1:
+            return fail(f"--threads must be at least 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.persona:
+        chosen = persona(args.persona)
+    elif not args.system_prompt.strip():
+        return fail("--system-prompt must not be empty")
+    else:
+        chosen = Persona("custom", args.system_prompt, examples=(), keep=lambda _text: True)
+    settings = TrainSettings(
+        questions=args.questions,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        rank=args.rank,
+        alpha=2 * args.rank,
+        learning_rate=args.learning_rate,
+        seed=args.seed,
+    )
+    try:
+        record = train_persona(model, chosen, args.out, settings, command=argv, log=print)
+    except TrainAdapterError as exc:
+        return fail(str(exc))
+    print(
+        f"wrote {args.out}: {record['examples_kept']} examples, loss {record['first_loss']} -> "
+        f"{record['final_loss']}, {record['teacher_seconds'] + record['train_seconds']:.0f} s"
+    )
     return 0
 
 
