@@ -1,10 +1,17 @@
-"""Adapter hit rates on a trace: Zipf traces and the offline optimum (Belady) for a slot count."""
+"""Adapter hit rates on a trace: Zipf traces and the bounds no caching policy can beat.
+
+A *bind* is one moment a request needs its adapter in the cache pool: when it first asks, and again
+each time it finds the adapter gone (parked). A policy that loads an adapter only for a bind that
+missed cannot hit more often, on its own sequence of binds and from its own start state, than
+Belady's offline optimum on that sequence with the same slots and start; nor more often than every
+bind but the first of each adapter that was not resident at the start (the compulsory misses).
+"""
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 
 def zipf_trace(num_adapters: int, length: int, exponent: float = 1.0, seed: int = 0) -> list[int]:
@@ -14,16 +21,17 @@ def zipf_trace(num_adapters: int, length: int, exponent: float = 1.0, seed: int 
     return rng.choices(range(num_adapters), weights=weights, k=length)
 
 
-def belady_hit_rate(trace: Sequence[object], slots: int) -> float:
-    """Hit rate of the optimal offline policy: on a miss, evict the adapter used furthest ahead."""
-    if not trace:
-        return 0.0
+def belady_hits(trace: Sequence[object], slots: int, start: Collection[object] = ()) -> int:
+    """Hits of the optimal offline policy, starting with ``start`` resident: on a miss with every
+    slot taken, evict the adapter used furthest ahead."""
+    if slots < 1:
+        return 0
     next_use: list[float] = [0.0] * len(trace)
     last: dict[object, float] = {}
     for i in range(len(trace) - 1, -1, -1):
         next_use[i] = last.get(trace[i], math.inf)
         last[trace[i]] = i
-    resident: dict[object, float] = {}
+    resident = {a: last.get(a, math.inf) for a in list(start)[:slots]}
     hits = 0
     for i, adapter in enumerate(trace):
         if adapter in resident:
@@ -31,4 +39,18 @@ def belady_hit_rate(trace: Sequence[object], slots: int) -> float:
         elif len(resident) >= slots:
             del resident[max(resident, key=resident.__getitem__)]
         resident[adapter] = next_use[i]
-    return hits / len(trace)
+    return hits
+
+
+def belady_hit_rate(trace: Sequence[object], slots: int, start: Collection[object] = ()) -> float:
+    """:func:`belady_hits` as a share of the trace (0.0 for an empty trace)."""
+    return belady_hits(trace, slots, start) / len(trace) if trace else 0.0
+
+
+def compulsory_hit_bound(trace: Sequence[object], start: Collection[object] = ()) -> float:
+    """The hit rate with only compulsory misses: each adapter not resident at the start misses
+    once, whatever the slots (1.0 for an empty trace)."""
+    if not trace:
+        return 1.0
+    first_reads = len(set(trace) - set(start))
+    return (len(trace) - first_reads) / len(trace)

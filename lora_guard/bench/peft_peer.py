@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from lora_guard.bench.replay import EngineOptions, RequestRecord, SchemeRun, peak_rss_now
+from lora_guard.bench.replay import Bind, EngineOptions, RequestRecord, SchemeRun, peak_rss_now
 from lora_guard.bench.workload import TraceRequest
 from lora_guard.engine.llm_engine import encode_text
 
@@ -58,7 +58,9 @@ def replay_peft(trace: list[TraceRequest], options: EngineOptions) -> SchemeRun:
     kv_per_token *= torch.tensor([], dtype=dtype).element_size()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
+    loaded = set(model.peft_config) if adapters else set()
     records = {r.id: RequestRecord(r.id, r.adapter_id, r.time) for r in trace}
+    binds: list[Bind] = []
     queue = list(trace)
     peak_kv = 0
     start = time.monotonic()
@@ -69,6 +71,9 @@ def replay_peft(trace: list[TraceRequest], options: EngineOptions) -> SchemeRun:
             continue
         batch = [r for r in queue if r.time <= now][:MAX_BATCH]
         queue = [r for r in queue if r not in batch]
+        # Every adapter was loaded before the replay; a request finds its own or fails to run.
+        binds += [Bind(now, r.adapter_id, r.adapter_id in loaded, 0.0)
+                  for r in batch if r.adapter_id is not None]  # fmt: skip
         prompts = [encode_text(tokenizer, r.prompt) for r in batch]
         width = max(len(p) for p in prompts)
         new = max(r.max_new_tokens for r in batch)
@@ -93,7 +98,7 @@ def replay_peft(trace: list[TraceRequest], options: EngineOptions) -> SchemeRun:
         scheme="peft",
         records=list(records.values()),
         swap_ms=[],
-        lookups=[(r.time, True) for r in trace if r.adapter_id is not None],
+        lookups=[(b.time, b.hit) for b in binds],
         slots=len(adapters),
         kv_conflicts=0,
         cold_loads={"loaded": len(adapters), "rejected": 0, "failed": 0},
@@ -108,4 +113,6 @@ def replay_peft(trace: list[TraceRequest], options: EngineOptions) -> SchemeRun:
         peak_rss=peak_rss_now(),
         duration_s=duration,
         served=[r.adapter_id for r in trace],
+        binds=binds,
+        start_resident=tuple(sorted(loaded)),
     )

@@ -38,8 +38,9 @@ def write_plots(
         values = [schemes[n][key] or 0.0 for n in names]
         ax.bar(names, values, color=[_colour(n) for n in names])
         if key == "hit_rate":
-            belady = [schemes[n]["belady_hit_rate"] or 0.0 for n in names]
-            ax.scatter(names, belady, marker="_", s=400, color="black", label="Belady optimum")
+            bound = [schemes[n]["hit_rate_bound"] or 0.0 for n in names]
+            ax.scatter(names, bound, marker="_", s=400, color="black",
+                       label="bound: Belady on its own binds")  # fmt: skip
             ax.legend(fontsize=8)
         ax.set_title(title)
         ax.tick_params(axis="x", labelrotation=35, labelsize=8)

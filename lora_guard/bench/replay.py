@@ -38,6 +38,16 @@ class RequestRecord:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class Bind:
+    """One moment a request needed its adapter in the pool (see ``bench/hit_rate``)."""
+
+    time: float  # seconds from the start of the replay, when the need began
+    adapter_id: str
+    hit: bool  # the adapter was resident when the need began
+    wait_ms: float | None  # until the adapter was usable (None where the engine does not say)
+
+
 @dataclass
 class SchemeRun:
     """One scheme's replay: per-request records and what the engine counted."""
@@ -53,6 +63,8 @@ class SchemeRun:
     peak_rss: int | None  # bytes, of the process that ran the scheme alone
     duration_s: float
     served: list[str | None]  # adapter of each request as served, in arrival order
+    binds: list[Bind] = field(default_factory=list)  # in the order the needs began
+    start_resident: tuple[str, ...] = ()  # adapters in the pool when the replay began
 
 
 @dataclass(frozen=True)
@@ -96,16 +108,31 @@ def scheme_llm(scheme: str, options: EngineOptions, static_adapter: str | None) 
     raise ValueError(f"unknown engine scheme {scheme!r}")
 
 
-class LookupRecorder:
-    """Observes adapter lookups: one per request, hot or not, with its time."""
+class BindRecorder:
+    """Observes adapter lookups (one per request, hot or not) and binds (each time a request's
+    adapter became usable, with how long it waited), with their times."""
 
-    def __init__(self, start: float) -> None:
-        self.start = start
+    def __init__(self, start: float, merged: bool) -> None:
+        self.start, self.merged = start, merged
         self.lookups: list[tuple[float, bool]] = []
+        self.binds: list[Bind] = []
 
     @hookimpl
     def lora_guard_adapter_lookup(self, request: RequestView, result: str) -> None:
-        self.lookups.append((time.monotonic() - self.start, result == "hot"))
+        now = time.monotonic() - self.start
+        self.lookups.append((now, result == "hot"))
+        if self.merged and request.adapter_id is not None:
+            # Merged weights are bound once per request: its lookup is its only bind.
+            self.binds.append(Bind(now, request.adapter_id, result == "hot", None))
+
+    @hookimpl
+    def lora_guard_adapter_ready(self, request: RequestView, wait_ms: float) -> None:
+        if request.adapter_id is not None:
+            began = time.monotonic() - self.start - wait_ms / 1000
+            self.binds.append(Bind(began, request.adapter_id, wait_ms == 0.0, wait_ms))
+
+    def ordered_binds(self) -> list[Bind]:
+        return sorted(self.binds, key=lambda b: b.time)
 
 
 def replay_scheme(
@@ -123,8 +150,13 @@ def replay_scheme(
     swaps_before = len(engine.adapters.stats.swap_ms)
     conflicts_before = engine.blocks.stats.conflicts
     cold_before = _cold_load_counts(engine)
+    merged = engine.adapters.merged
+    start_resident = (
+        (merged.adapter_id,) if merged is not None
+        else tuple(e.adapter_id for e in engine.adapters.residents() if not e.stale)
+    )  # fmt: skip
     start = time.monotonic()
-    recorder = LookupRecorder(start)
+    recorder = BindRecorder(start, engine.adapters.merged_mode)
     engine.hooks.pm.register(recorder, name="bench-lookups")
     memory = MemoryWatch(engine)
     records = _replay(engine, trace, start, memory)
@@ -143,6 +175,8 @@ def replay_scheme(
         peak_rss=peak_rss_now(),
         duration_s=duration,
         served=[r.adapter_id for r in trace],
+        binds=recorder.ordered_binds(),
+        start_resident=start_resident,
     )
     engine.shutdown()
     return run

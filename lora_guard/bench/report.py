@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from lora_guard.bench.hit_rate import belady_hit_rate
+from lora_guard.bench.hit_rate import belady_hit_rate, compulsory_hit_bound
 from lora_guard.bench.replay import RequestRecord, SchemeRun
 
 MIB = 2**20
@@ -29,13 +29,44 @@ def request_tokens_per_s(record: RequestRecord) -> float | None:
     return len(record.tokens) / max(record.finish - record.arrival, 1e-9)
 
 
+def decode_tokens_per_s(record: RequestRecord) -> float | None:
+    """Tokens after the first over the time from the first token to the last: the decode speed
+    alone, without the wait for a place and the prefill."""
+    if record.finish is None or record.error is not None or record.first_token is None:
+        return None
+    if len(record.tokens) < 2 or record.finish <= record.first_token:
+        return None
+    return (len(record.tokens) - 1) / (record.finish - record.first_token)
+
+
+def hit_rates(run: SchemeRun) -> dict[str, float | None]:
+    """The scheme's hit rate over its own binds and the bounds on that same sequence."""
+    if not run.binds:
+        hits = sum(hit for _, hit in run.lookups)
+        return {"hit_rate": hits / len(run.lookups) if run.lookups else None,
+                "hit_rate_bound": None, "hit_rate_compulsory_bound": None}  # fmt: skip
+    needs = [b.adapter_id for b in run.binds]
+    return {
+        "hit_rate": sum(b.hit for b in run.binds) / len(needs),
+        "hit_rate_bound": belady_hit_rate(needs, run.slots, run.start_resident),
+        "hit_rate_compulsory_bound": compulsory_hit_bound(needs, run.start_resident),
+    }
+
+
 def summarize(
-    run: SchemeRun, mismatches: int | None, static: SchemeRun | None = None
+    run: SchemeRun,
+    mismatches: int | None,
+    static: SchemeRun | None = None,
+    seeds: list[int] | None = None,
 ) -> dict[str, Any]:
     """The report's figures for one scheme (keys are the stable JSON names); None where the run
-    cannot tell (no swaps, no memory accounting against a remote server, no oracle)."""
+    cannot tell (no swaps, no memory accounting against a remote server, no oracle). ``seeds``
+    are the trace's seeds (None for a trace read from a file)."""
     done = [r for r in run.records if r.finish is not None and r.error is None]
     speeds = [s for r in done if (s := request_tokens_per_s(r)) is not None]
+    decode = [s for r in done if (s := decode_tokens_per_s(r)) is not None]
+    waits = [b.wait_ms for b in run.binds if b.wait_ms is not None]
+    distinct = len({a for a in run.served if a is not None})
     ttft = [(r.first_token - r.arrival) * 1000 for r in done if r.first_token is not None]
     tokens = sum(len(r.tokens) for r in done)
     span = max((r.finish for r in done if r.finish is not None), default=0.0) - min(
@@ -44,7 +75,9 @@ def summarize(
     cold = run.cold_loads
     attempts = cold["loaded"] + cold["rejected"] + cold["failed"]
     served = [a for a in run.served if a is not None]
-    hits = sum(hit for _, hit in run.lookups)
+    fleet = None
+    if run.scheme == "static" and run.memory:
+        fleet = run.memory["total"] * max(distinct, 1) / MIB
     return {
         "requests": len(run.records),
         "completed": len(done),
@@ -60,19 +93,25 @@ def summarize(
         "swaps": len(run.swap_ms),
         "swap_ms_p50": percentile(run.swap_ms, 50),
         "swap_ms_p95": percentile(run.swap_ms, 95),
+        "adapter_wait_ms_p50": percentile(waits, 50),
+        "adapter_wait_ms_p95": percentile(waits, 95),
         "tail_tokens_per_s": percentile(speeds, 5),
+        "decode_tail_tokens_per_s": percentile(decode, 5),
         "median_tokens_per_s": percentile(speeds, 50),
         "ttft_p50_ms": percentile(ttft, 50),
         "ttft_p95_ms": percentile(ttft, 95),
         "tokens_per_s": tokens / span if span > 0 else None,
         "generated_tokens": tokens,
-        "hit_rate": hits / len(run.lookups) if run.lookups else None,
+        **hit_rates(run),
+        # Arrival order from an empty pool: a figure of the trace, not a bound on a warm scheme.
         "belady_hit_rate": belady_hit_rate(served, run.slots) if served else None,
         "slots": run.slots,
         "cold_load_fail_ratio": (cold["rejected"] + cold["failed"]) / attempts if attempts else 0.0,
         "cold_loads": dict(cold),
         "kv_conflicts": run.kv_conflicts,
         "oracle_mismatches": mismatches,
+        "fleet_memory_mib": fleet,
+        "seeds": seeds,
         "duration_s": run.duration_s,
     }
 
@@ -87,13 +126,17 @@ _COLUMNS = (
     ("peak RSS x static", "peak_rss_ratio"),
     ("swap ms p50", "swap_ms_p50"),
     ("swap ms p95", "swap_ms_p95"),
+    ("adapter wait ms p50", "adapter_wait_ms_p50"),
+    ("adapter wait ms p95", "adapter_wait_ms_p95"),
     ("tail tok/s", "tail_tokens_per_s"),
+    ("decode tail tok/s", "decode_tail_tokens_per_s"),
     ("median tok/s", "median_tokens_per_s"),
     ("TTFT p50 ms", "ttft_p50_ms"),
     ("TTFT p95 ms", "ttft_p95_ms"),
     ("tok/s", "tokens_per_s"),
     ("hit rate", "hit_rate"),
-    ("Belady", "belady_hit_rate"),
+    ("hit bound", "hit_rate_bound"),
+    ("Belady, arrival order, cold", "belady_hit_rate"),
     ("cold fail", "cold_load_fail_ratio"),
     ("retries", "retries"),
     ("kv conflicts", "kv_conflicts"),
@@ -108,13 +151,19 @@ def markdown_table(schemes: dict[str, dict[str, Any]]) -> str:
         "|---|" + "---:|" * (len(_COLUMNS) - 1),
     ]
     for name, summary in schemes.items():
-        cells = [name]
+        cells = ["static (one-instance ceiling)" if name == "static" else name]
         for _, key in _COLUMNS[1:]:
             value = summary[key]
             if key == "completed":
                 value = f"{value}/{summary['requests']}"
             cells.append(_cell(value))
         lines.append("| " + " | ".join(cells) + " |")
+    static = schemes.get("static")
+    if static and static.get("fleet_memory_mib"):
+        lines.append(
+            f"\nstatic serves every request with one adapter; a fleet of static instances, one "
+            f"per adapter of the trace, would take {static['fleet_memory_mib']:.0f} MiB."
+        )
     return "\n".join(lines)
 
 

@@ -62,8 +62,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         except (TraceError, OSError, httpx.HTTPError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    seeds = None if args.trace else [args.seed]
     summaries = {
-        name: summarize(run, mismatches.get(name), runs.get("static")) for name, run in runs.items()
+        name: summarize(run, mismatches.get(name), runs.get("static"), seeds)
+        for name, run in runs.items()
     }
     print(markdown_table(summaries))
     report = {

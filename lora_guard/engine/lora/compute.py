@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from lora_guard.engine.lora.pool import LayerWeights
 
@@ -51,7 +52,7 @@ class LoraBatch:
             return
         for seg, weights in work:
             xs, ys = x[seg.start : seg.end], y[seg.start : seg.end]
-            shrunk = xs @ weights.a.T
+            shrunk = F.linear(xs, weights.a)
             for part in weights.parts:
                 ys[:, part.out0 : part.out1].addmm_(shrunk[:, part.row0 : part.row1], part.bt)
 
