@@ -51,3 +51,22 @@ def test_the_base_model_is_named_never_a_path(server: Server) -> None:
     names = [info["model_id"], *(m["id"] for m in models), *(m.get("parent", "") for m in models)]
     assert info["model_id"] and all("/" not in n and "\\" not in n for n in names), names
     assert models[0]["id"] == info["model_id"]
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/generate", '{"inputs": "hello", "parameters": {"temperature": NaN}}'),
+        ("/generate", '{"inputs": "hello", "parameters": {"top_p": Infinity}}'),
+        ("/v1/chat/completions",
+         '{"model": "tgi", "messages": [{"role": "user", "content": "hi"}], "top_p": -Infinity}'),
+        ("/v1/completions", '{"model": "tgi", "prompt": "hi", "temperature": NaN}'),
+    ],
+)  # fmt: skip
+def test_nan_and_infinity_are_not_numbers_a_request_may_carry(
+    server: Server, route: str, body: str
+) -> None:
+    r = httpx.post(server.url + route, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert r.json()["error_type"] == "validation"
+    assert "finite number" in r.json()["error"]

@@ -8,7 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are ignored, as TGI does; NaN and Infinity (which Python's JSON reader takes)
+    # are not numbers a request may carry.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class GenerateParameters(_Body):
