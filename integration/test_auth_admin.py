@@ -85,6 +85,25 @@ def test_admin_routes_need_an_admin_key(guarded: tuple[ServerProcess, Path]) -> 
     assert rows["a-00"]["tier"] in ("device", "host") and rows["a-00"]["rank"] in (4, 8)
 
 
+def test_metrics_need_an_admin_key_when_there_is_a_key_file(
+    guarded: tuple[ServerProcess, Path],
+) -> None:
+    server, _ = guarded
+    assert httpx.get(server.url + "/metrics").status_code == 401
+    r = httpx.get(server.url + "/metrics", headers=auth("acme-secret-key"))
+    assert r.status_code == 403 and r.json()["error_type"] == "forbidden"
+    r = httpx.get(server.url + "/metrics", headers=auth("ops-secret-key"))
+    assert r.status_code == 200 and "lora_guard_adapter_lookups_total" in r.text
+    assert httpx.get(server.url + "/info").status_code == 200  # open for probes, as /health
+
+
+def test_a_server_without_a_key_file_says_at_start_that_every_route_is_open(
+    server: ServerProcess,
+) -> None:
+    assert "no --api-key-file: every route is open" in server.log.read_text()
+    assert httpx.get(server.url + "/metrics").status_code == 200
+
+
 def test_load_unload_pin_at_run_time(
     guarded: tuple[ServerProcess, Path], tiny: tuple[Path, Path]
 ) -> None:

@@ -145,6 +145,7 @@ class ServerProcess:
 
     url: str
     process: subprocess.Popen[str]
+    log: Path  # its stdout and stderr
 
     def stop(self, timeout: float = 30) -> int:
         if self.process.poll() is None:
@@ -182,7 +183,7 @@ def start_server(
         process = subprocess.Popen(
             command, stdout=handle, stderr=subprocess.STDOUT, text=True, env=environment
         )
-    server = ServerProcess(f"http://127.0.0.1:{port}", process)
+    server = ServerProcess(f"http://127.0.0.1:{port}", process, log)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if process.poll() is not None:

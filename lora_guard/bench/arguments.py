@@ -64,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "cold loads and conflicts; --model adds the oracle check)",
     )
     add("--target-name", default="target", help="the scheme name of the --target run")
-    add("--api-key", default="", help="bearer key for --target")
+    add(
+        "--api-key",
+        default="",
+        help="bearer key for --target (an admin key where the server has a key file: /metrics needs one)",
+    )
     add("--json", type=Path, metavar="FILE", help="write the report as JSON")
     add("--plots", type=Path, metavar="DIR", help="write PNG plots (needs matplotlib)")

@@ -13,7 +13,7 @@ from lora_guard.server import errors, routes_admin, routes_openai, routes_tgi
 from lora_guard.server.errors import APIError
 from lora_guard.server.state import ServerState
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/info"})
+OPEN_PATHS = frozenset({"/health", "/info"})  # probes; /metrics needs an admin key
 
 
 def create_app(state: ServerState) -> FastAPI:

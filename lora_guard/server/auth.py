@@ -72,6 +72,12 @@ class KeyRing:
         raise APIError(401, "invalid API key", "unauthorized")
 
 
+def require_admin(keys: KeyRing | None, key: ApiKey | None, what: str) -> None:
+    """403 unless there is no key file or the caller's key is an admin key."""
+    if keys is not None and (key is None or not key.admin):
+        raise APIError(403, f"{what} needs an admin API key", "forbidden")
+
+
 def _key(name: str, table: Any) -> ApiKey:
     if not isinstance(table, dict):
         raise KeyFileError(f"keys.{name} is not a table")

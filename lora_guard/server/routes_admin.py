@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 from lora_guard.engine.llm_engine import LLMEngine
 from lora_guard.engine.lora import AdapterError, read_adapter
 from lora_guard.engine.lora.registry import valid_adapter_id
+from lora_guard.server.auth import require_admin
 from lora_guard.server.errors import APIError, not_found, validation
 from lora_guard.server.routes_tgi import _state
 from lora_guard.server.state import ServerState
@@ -35,9 +36,7 @@ class UnloadAdapter(BaseModel):
 
 def _admin(request: Request) -> ServerState:
     state = _state(request)
-    key = getattr(request.state, "api_key", None)
-    if state.keys is not None and (key is None or not key.admin):
-        raise APIError(403, "adapter administration needs an admin API key", "forbidden")
+    require_admin(state.keys, getattr(request.state, "api_key", None), "adapter administration")
     return state
 
 

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lora_guard import __version__
 from lora_guard.engine.llm_engine import RequestOutput
+from lora_guard.server.auth import require_admin
 from lora_guard.server.errors import APIError, unavailable, validation
 from lora_guard.server.protocol import (
     CompatGenerateRequest,
@@ -202,7 +203,9 @@ async def health(request: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    plugin = _state(request).metrics
+    state = _state(request)
+    require_admin(state.keys, getattr(request.state, "api_key", None), "/metrics")
+    plugin = state.metrics
     if plugin is None:
         return Response("", media_type="text/plain")
     return Response(plugin.render(), media_type=plugin.content_type)

@@ -74,6 +74,9 @@ def serve(
     config = uvicorn.Config(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=GRACE_S
     )
+    if keys is None:
+        log.warning("no --api-key-file: every route is open to whoever reaches the port, "
+                    "adapter administration and /metrics included")  # fmt: skip
     log.info("serving %s with %d adapters on http://%s:%d", engine.model_id,
              len(engine.adapters.registry.entries), host, port)  # fmt: skip
     _Server(config).run()
