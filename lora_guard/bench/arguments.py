@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--api-key",
         default="",
-        help="bearer key for --target (an admin key where the server has a key file: /metrics needs one)",
+        help="bearer key for --target (an admin key where it has a key file: /metrics needs one)",
     )
     add("--json", type=Path, metavar="FILE", help="write the report as JSON")
     add("--plots", type=Path, metavar="DIR", help="write PNG plots (needs matplotlib)")
