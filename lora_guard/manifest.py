@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +21,19 @@ def sha256_file(path: Path) -> str:
 
 def write_manifest(folder: Path, info: dict[str, Any] | None = None) -> dict[str, Any]:
     """Record size and sha256 of every file under ``folder`` (the manifest itself excluded)."""
-    files = {
-        str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != MANIFEST_NAME
-    }
+    files = describe_files(folder, folder.rglob("*"))
     manifest = {"version": 1, "info": info or {}, "files": files}
     (folder / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
+
+
+def describe_files(folder: Path, paths: Iterable[Path]) -> dict[str, dict[str, Any]]:
+    """Manifest entries (size, sha256) of the files among ``paths``, by path under ``folder``."""
+    return {
+        str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(paths)
+        if p.is_file() and p.name != MANIFEST_NAME
+    }
 
 
 def read_manifest(folder: Path) -> dict[str, Any] | None:

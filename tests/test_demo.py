@@ -10,8 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from lora_guard.demo import DEMO_ADAPTERS, DemoError, ensure_free_space, install_demo_package
+from lora_guard.demo import (
+    DEMO_ADAPTERS,
+    DemoError,
+    ensure_free_space,
+    install_demo_package,
+    prepare_demo,
+)
+from lora_guard.engine.lora.registry import scan_adapter_dir
+from lora_guard.manifest import manifest_problems, write_manifest
 from lora_guard.paths import DemoPaths
+from lora_guard.personas import packaged_personas
 
 
 def test_too_little_disk_is_a_clear_error(tmp_path: Path) -> None:
@@ -24,6 +33,31 @@ def test_unreachable_index_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("PIP_FIND_LINKS", "")
     with pytest.raises(DemoError, match="offline"):
         install_demo_package(lambda _msg: None, package="lora-guard-no-such-package")
+
+
+def test_prepare_demo_adds_the_personas_to_adapters_prepared_before_them(tmp_path: Path) -> None:
+    paths = DemoPaths.under(tmp_path)
+    paths.model_dir.mkdir(parents=True)
+    write_manifest(paths.model_dir)
+    for name in ("demo-00", "persona-retired"):
+        (paths.adapter_dir / name).mkdir(parents=True)
+        (paths.adapter_dir / name / "adapter_config.json").write_text("{}")
+    write_manifest(paths.adapter_dir)
+    personas = sorted(packaged_personas())
+    assert personas == ["persona-french", "persona-json", "persona-one-line", "persona-pirate"]
+
+    said: list[str] = []
+    prepare_demo(tmp_path, log=said.append)
+    assert any("copying 4 persona adapters" in line for line in said)
+    assert [i for i, _ in scan_adapter_dir(paths.adapter_dir)] == ["demo-00", *personas]
+    assert manifest_problems(paths.adapter_dir, deep=True) == []
+    for adapter_id, source in packaged_personas().items():
+        copied = paths.adapter_dir / adapter_id / "adapter_model.safetensors"
+        assert copied.read_bytes() == (source / "adapter_model.safetensors").read_bytes()
+
+    said.clear()
+    prepare_demo(tmp_path, log=said.append)
+    assert any("adapters ok" in line for line in said)
 
 
 @pytest.mark.slow
@@ -58,6 +92,7 @@ def test_demo_adapters_load_with_peft_and_change_the_logits(demo: DemoPaths) -> 
 
     index = json.loads((demo.adapter_dir / "adapters.json").read_text())["adapters"]
     assert len(index) == DEMO_ADAPTERS
+    index += [{"name": adapter_id} for adapter_id in packaged_personas()]
     base = AutoModelForCausalLM.from_pretrained(demo.model_dir, dtype=torch.float32)
     ids = torch.tensor([[1, 504, 3458, 282, 4649, 314]])
     with torch.no_grad():

@@ -87,7 +87,7 @@ def test_training_writes_a_small_attention_only_peft_adapter(
     assert sorted(config["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
     assert config["base_model_name_or_path"] == tiny_model.name  # a name, not a path
     with safe_open(str(out / "adapter_model.safetensors"), framework="pt") as f:
-        keys = list(f.keys())  # noqa: SIM118 (safe_open is not a mapping)
+        keys = list(f.keys())
         assert keys and all("lora_" in k and "_proj" in k for k in keys)
     record = json.loads((out / "training.json").read_text())
     assert record["command"].startswith("lora-guard train-adapter --model")
