@@ -69,5 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="bearer key for --target (an admin key where it has a key file: /metrics needs one)",
     )
+    add(
+        "--peer",
+        choices=("vllm",),
+        help="also replay the trace on vLLM's CPU build, in its own virtual environment (made "
+        "on first use under $LORA_GUARD_HOME/peers)",
+    )
+    add("--peer-python", type=Path, help="an interpreter that has vLLM, instead of that venv")
+    add("--peer-port", type=int, default=8701, help="loopback port for the peer")
     add("--json", type=Path, metavar="FILE", help="write the report as JSON")
     add("--plots", type=Path, metavar="DIR", help="write PNG plots (needs matplotlib)")

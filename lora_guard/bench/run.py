@@ -33,6 +33,7 @@ from lora_guard.bench.replay import (
 )
 from lora_guard.bench.report import markdown_table, summarize
 from lora_guard.bench.target import replay_target
+from lora_guard.bench.vllm_peer import PeerError
 from lora_guard.bench.workload import (
     TraceError,
     TraceRequest,
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 runs, mismatches, trace, engine = _against_target(args, started)
             else:
                 runs, mismatches, trace, engine = _in_process(args, schemes, Path(scratch), started)
-        except (TraceError, OSError, httpx.HTTPError) as exc:
+        except (TraceError, PeerError, OSError, httpx.HTTPError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     seeds = None if args.trace else [args.seed]
@@ -119,6 +120,12 @@ def _in_process(
             runs[scheme] = _call(isolated, replay_peft, trace, options)
         else:
             runs[scheme] = _call(isolated, replay_scheme, scheme, trace, options, static_id)
+    if args.peer == "vllm":
+        from lora_guard.bench.vllm_peer import peer_python, replay_vllm
+
+        python = peer_python(args.peer_python, log=lambda msg: _progress(started, msg))
+        _progress(started, f"replaying {len(trace)} requests on vLLM ({python})")
+        runs["vllm"] = replay_vllm(trace, options, python, args.peer_port, scratch / "vllm.log")
     _progress(started, "computing the oracle")
     mismatches = _oracle_mismatches(runs, trace, options, static_id, isolated)
     _progress(started, "done")

