@@ -129,7 +129,10 @@ def _in_process(
     _progress(started, "computing the oracle")
     mismatches = _oracle_mismatches(runs, trace, options, static_id, isolated)
     _progress(started, "done")
-    engine = asdict(options) | {"model": Path(options.model).name, "static_adapter": static_id}
+    # Folder names, not paths: the report is meant to be shared.
+    engine = asdict(options) | {"model": Path(options.model).name,
+                                "adapter_dir": Path(options.adapter_dir).name,
+                                "static_adapter": static_id}  # fmt: skip
     return runs, mismatches, trace, engine
 
 
