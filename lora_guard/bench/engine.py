@@ -152,12 +152,18 @@ def main(argv: list[str] | None = None) -> int:
         from lora_guard.demo import prepare_demo
 
         args.model = prepare_demo(log=lambda _msg: None).model_dir
-    if args.adapter_dir is None:
-        from lora_guard.adapter_maker import make_adapters
+    if args.adapter_dir is not None:
+        return _bench(args)
+    from lora_guard.adapter_maker import make_adapters
 
-        args.adapter_dir = Path(tempfile.mkdtemp(prefix="lora-guard-bench-"))
+    with tempfile.TemporaryDirectory(prefix="lora-guard-bench-") as scratch:
+        args.adapter_dir = Path(scratch)
         make_adapters(args.model, args.adapter_dir, n=args.adapters, ranks=(8, 16, 32),
                       prefix="bench", all_projections=True)  # fmt: skip
+        return _bench(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
     names = [adapter_id for adapter_id, _ in scan_adapter_dir(args.adapter_dir)][: args.adapters]
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.device(args.device)

@@ -58,15 +58,16 @@ def summarize(
     mismatches: int | None,
     static: SchemeRun | None = None,
     seeds: list[int] | None = None,
+    trace_adapters: int | None = None,
 ) -> dict[str, Any]:
     """The report's figures for one scheme (keys are the stable JSON names); None where the run
     cannot tell (no swaps, no memory accounting against a remote server, no oracle). ``seeds``
-    are the trace's seeds (None for a trace read from a file)."""
+    are the trace's seeds (None for a trace read from a file); ``trace_adapters`` the distinct
+    adapters it asks for (static's fleet has one instance each)."""
     done = [r for r in run.records if r.finish is not None and r.error is None]
     speeds = [s for r in done if (s := request_tokens_per_s(r)) is not None]
     decode = [s for r in done if (s := decode_tokens_per_s(r)) is not None]
     waits = [b.wait_ms for b in run.binds if b.wait_ms is not None]
-    distinct = len({a for a in run.served if a is not None})
     ttft = [(r.first_token - r.arrival) * 1000 for r in done if r.first_token is not None]
     tokens = sum(len(r.tokens) for r in done)
     span = max((r.finish for r in done if r.finish is not None), default=0.0) - min(
@@ -76,8 +77,8 @@ def summarize(
     attempts = cold["loaded"] + cold["rejected"] + cold["failed"]
     served = [a for a in run.served if a is not None]
     fleet = None
-    if run.scheme == "static" and run.memory:
-        fleet = run.memory["total"] * max(distinct, 1) / MIB
+    if run.scheme == "static" and run.memory and trace_adapters:
+        fleet = run.memory["total"] * trace_adapters / MIB
     return {
         "requests": len(run.records),
         "completed": len(done),

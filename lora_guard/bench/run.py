@@ -64,8 +64,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     seeds = None if args.trace else [args.seed]
+    adapters = _workload(trace)["adapters"]
     summaries = {
-        name: summarize(run, mismatches.get(name), runs.get("static"), seeds)
+        name: summarize(run, mismatches.get(name), runs.get("static"), seeds, adapters)
         for name, run in runs.items()
     }
     print(markdown_table(summaries))

@@ -47,7 +47,8 @@ def test_the_report_holds_every_scheme_with_every_figure(quick: tuple) -> None: 
         assert summary["hit_rate"] <= summary["hit_rate_bound"] + 1e-9, name
         assert summary["hit_rate_bound"] <= summary["hit_rate_compulsory_bound"] + 1e-9, name
         assert summary["decode_tail_tokens_per_s"] >= summary["tail_tokens_per_s"], name
-    assert schemes["static"]["peak_memory_ratio"] == 1.0
+    # Adapter pages live inside the same budget as static's KV pool.
+    assert schemes["lora-guard"]["peak_memory_ratio"] <= 1.05
     # The schemes that rotate 8 adapters through 4 slots waited for some of them.
     for name in ("lru", "lora-guard"):
         assert schemes[name]["adapter_wait_ms_p95"] > 0, name
@@ -56,7 +57,10 @@ def test_the_report_holds_every_scheme_with_every_figure(quick: tuple) -> None: 
     rows = [line for line in stdout.splitlines() if line.startswith("| ")]
     names = [row.split("|")[1].strip() for row in rows[1:]]
     assert names == ["static (one-instance ceiling)" if n == "static" else n for n in schemes]
-    assert "a fleet of static instances" in stdout
+    # One static instance per adapter of the trace (8 in --quick).
+    static = schemes["static"]
+    assert static["fleet_memory_mib"] == pytest.approx(8 * static["peak_memory_mib"])
+    assert f"would take {static['fleet_memory_mib']:.0f} MiB" in stdout
 
 
 @pytest.mark.slow
