@@ -25,6 +25,7 @@ from lora_guard import LLM, SamplingParams
 from lora_guard.adapter_maker import make_adapters
 from lora_guard.engine import RequestError
 from lora_guard.engine.lora import AdapterError, LoRAAdapter, read_adapter
+from lora_guard.engine.lora.checkpoint import largest_adapter_bytes
 from lora_guard.engine.model import ModelSpec
 from lora_guard.testing import make_tiny_llama
 
@@ -186,6 +187,26 @@ def test_adapter_for_another_hidden_size_is_refused(
     message = refusal("elsewhere", path, spec)
     assert "do not fit the base model" in message
     assert "32" in message and "64" in message
+
+
+def test_files_larger_than_any_adapter_of_the_model_are_refused_unread(
+    base: torch.nn.Module, spec: ModelSpec, tmp_path: Path
+) -> None:
+    # The largest valid adapter (every projection at the rank limit, in float64) fits the cap.
+    biggest = save_lora(base, tmp_path / "biggest", r=MAX_RANK, target_modules=ALL_MODULES)
+    cap = largest_adapter_bytes(spec, MAX_RANK)
+    assert (biggest / WEIGHTS).stat().st_size * 2 < cap
+    assert read_adapter("biggest", biggest, spec, MAX_RANK).weights
+    # A file past the cap is refused from its size; a sparse one costs no disk to make.
+    path = save_lora(base, tmp_path / "huge")
+    with (path / WEIGHTS).open("r+b") as handle:
+        handle.truncate(cap + 1)
+    message = refusal("huge", path, spec)
+    assert f"{WEIGHTS} is {cap + 1:,} bytes" in message and "was not read" in message
+    path = save_lora(base, tmp_path / "huge-config")
+    config = path / "adapter_config.json"
+    config.write_text(config.read_text() + " " * 2**20)  # still valid JSON, but no config is 1 MiB
+    assert "adapter_config.json is" in refusal("huge-config", path, spec)
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from lora_guard.engine.model import FUSED_PROJECTIONS, LORA_TARGETS, ModelSpec
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+MAX_CONFIG_BYTES = 2**20  # an adapter_config.json is a few kB
 log = logging.getLogger(__name__)
 _pickles_reported: set[Path] = set()
 _KEY = re.compile(
@@ -54,9 +55,17 @@ def _pattern_value(patterns: dict[str, float], module_name: str, default: float)
     return default
 
 
-def _read_regular_file(file: Path, root: Path | None) -> bytes:
-    """The bytes of ``file``, which must be a regular file (not a pipe, device or folder) and,
-    with ``root``, must resolve inside it. Raises ``ValueError`` with the reason."""
+def largest_adapter_bytes(spec: ModelSpec, max_rank: int) -> int:
+    """The largest weights file a valid adapter can be: rank ``max_rank`` on every projection of
+    every layer in float64, plus room for the safetensors header."""
+    per_layer = sum(sum(spec.module_shape(m)) for m in LORA_TARGETS)
+    return per_layer * spec.num_layers * max_rank * 8 + MAX_CONFIG_BYTES
+
+
+def _read_regular_file(file: Path, root: Path | None, limit: int) -> bytes:
+    """The bytes of ``file``, which must be a regular file (not a pipe, device or folder) of at
+    most ``limit`` bytes and, with ``root``, must resolve inside it. Raises ``ValueError`` with
+    the reason; nothing is read from a file that breaks these."""
     try:
         real = file.resolve(strict=True)
     except FileNotFoundError:
@@ -71,8 +80,14 @@ def _read_regular_file(file: Path, root: Path | None) -> bytes:
     except OSError as exc:
         raise ValueError(f"cannot read {file.name}: {exc.strerror or exc}") from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             raise ValueError(f"{file.name} is not a regular file")
+        if info.st_size > limit:
+            raise ValueError(
+                f"{file.name} is {info.st_size:,} bytes, more than the {limit:,} any adapter of "
+                f"this model up to the rank limit can need; it was not read"
+            )
         with os.fdopen(os.dup(fd), "rb") as handle:
             return handle.read()
     except OSError as exc:
@@ -110,8 +125,8 @@ def read_adapter(
             adapter_id, WEIGHTS_FILE, ", ".join(pickles),
         )  # fmt: skip
     try:
-        config_bytes = _read_regular_file(path / CONFIG_FILE, root)
-        data = _read_regular_file(path / WEIGHTS_FILE, root)
+        config_bytes = _read_regular_file(path / CONFIG_FILE, root, MAX_CONFIG_BYTES)
+        data = _read_regular_file(path / WEIGHTS_FILE, root, largest_adapter_bytes(spec, max_rank))
     except ValueError as exc:
         raise fail(str(exc)) from None
     try:
