@@ -84,6 +84,7 @@ class MetricsPlugin:
         self._last_kv_conflicts = 0
         self._last_cached_tokens = 0
         self._last_preemptions = 0
+        self._last_changed_on_disk = 0
         self._resident_key: tuple[Any, ...] | None = None
         self._resident: set[tuple[str, str, str]] = set()
         self._lora_info: tuple[str, str, str] | None = None
@@ -122,6 +123,12 @@ class MetricsPlugin:
             "Bytes of the one cache pool by kind: kv (blocks in use), adapter (adapter pages), "
             "free.",
             ["kind"],
+            registry=reg,
+        )
+        self.adapters_changed_on_disk = Counter(
+            "lora_guard_adapter_changed_on_disk_total",
+            "Adapters read again because their files changed on disk since they were read "
+            "(new requests get the new weights; running ones finish under the old).",
             registry=reg,
         )
         self.requests_parked = Gauge(
@@ -321,6 +328,11 @@ class MetricsPlugin:
         for kind, nbytes in state.pool_bytes.items():
             self.cache_pool_bytes.labels(kind=kind).set(nbytes)
         self.requests_parked.set(state.num_parked)
+        self._last_changed_on_disk = _advance(
+            self.adapters_changed_on_disk,
+            self._last_changed_on_disk,
+            state.adapters_changed_on_disk,
+        )
         self._update_resident(state)
         self._update_lora_info(state)
 

@@ -86,6 +86,8 @@ class Scheduler:
         self.waiting.append(seq)
         if seq.adapter_id is not None:
             self._arrivals.append((time.monotonic(), seq.adapter_id))
+            if self.adapters.reread_if_changed(seq.adapter_id):
+                self._state = None
             self._heat[seq.adapter_id] += 1
 
     def has_work(self) -> bool:
@@ -126,6 +128,7 @@ class Scheduler:
                     }
                 ),
                 num_parked=sum(1 for s in self.running if s.parked_since is not None),
+                adapters_changed_on_disk=adapters.stats.changed_on_disk,
                 num_waiting=len(self.waiting),
                 num_running=len(self.running),
                 registered=frozenset(adapters.registry.entries),

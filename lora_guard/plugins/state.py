@@ -57,6 +57,8 @@ class EngineState:
     :param pool_bytes: the cache pool's bytes by kind: ``kv`` (blocks in use), ``adapter``
         (adapter pages) and ``free`` (free blocks, cached prefixes included).
     :param num_parked: running requests waiting for their adapter to come back into the pool.
+    :param adapters_changed_on_disk: adapters read again because their files changed on disk
+        since they were read, since the engine started.
     """
 
     step: int
@@ -76,6 +78,7 @@ class EngineState:
     kv_share: float = 0.0
     pool_bytes: Mapping[str, int] = field(default_factory=dict)
     num_parked: int = 0
+    adapters_changed_on_disk: int = 0
 
     def slot_of(self, adapter_id: str) -> int | None:
         for view in self.slots:

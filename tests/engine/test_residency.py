@@ -3,6 +3,7 @@ requests and rotation, reloads under load, and the two LoRA computations agreein
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -299,6 +300,36 @@ def test_a_reload_under_load_never_mixes_versions(
     assert finished["other-1"].token_ids == solo(prompt, names[2], 30)
     assert finished["other-2"].token_ids == solo([5, 6, 7, 8, 10], names[2], 30)
     assert engine.blocks.stats.conflicts == 0
+    engine.check_no_leaks()
+
+
+def test_an_adapter_changed_on_disk_is_read_again_for_new_requests(
+    tiny_model: Path, adapters: dict[str, Path], solo: Any, tmp_path: Path
+) -> None:
+    # Someone copies new weights over a served adapter's folder: the request that started before
+    # finishes under the old weights, the next ones get the new, and the change is counted.
+    names = sorted(adapters)
+    folder = tmp_path / "tenant-a"
+    shutil.copytree(adapters[names[0]], folder)
+    llm = LLM(tiny_model, adapters={"tenant-a": folder}, max_loras=2, cache_memory="4MiB")
+    engine = llm.engine
+    long = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9]
+    engine.add_request("before", prompt, long, "tenant-a")
+    started = 0
+    while started < 3:
+        started += sum(len(o.token_ids) > 0 for o in engine.step() if o.request_id == "before")
+        time.sleep(0.001)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(adapters[names[1]] / name, folder / name)
+    engine.add_request("after", prompt, long, "tenant-a")
+    finished = drive(engine)
+    assert finished["before"].token_ids == solo(prompt, names[0], 20)
+    assert finished["after"].token_ids == solo(prompt, names[1], 20)
+    assert engine.adapters.stats.changed_on_disk == 1
+    engine.add_request("again", prompt, long, "tenant-a")  # unchanged since: no second read
+    assert drive(engine)["again"].token_ids == finished["after"].token_ids
+    assert engine.adapters.stats.changed_on_disk == 1
     engine.check_no_leaks()
 
 

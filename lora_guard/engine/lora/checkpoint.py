@@ -46,6 +46,7 @@ class LoRAAdapter:
     content_hash: str
     nbytes: int
     target_modules: tuple[str, ...] = field(default=())
+    stamp: tuple[int, ...] | None = None  # its files' sizes and times when read (files_stamp)
 
 
 def _pattern_value(patterns: dict[str, float], module_name: str, default: float) -> float:
@@ -53,6 +54,16 @@ def _pattern_value(patterns: dict[str, float], module_name: str, default: float)
         if re.fullmatch(rf"(.*\.)?({pattern})", module_name):
             return value
     return default
+
+
+def files_stamp(path: Path) -> tuple[int, ...] | None:
+    """Size and modification time of an adapter folder's config and weights: when it differs
+    from the stamp taken at a read, the files have changed since. None if either is missing."""
+    try:
+        stats = [os.stat(path / name) for name in (CONFIG_FILE, WEIGHTS_FILE)]
+    except OSError:
+        return None
+    return tuple(v for st in stats for v in (st.st_size, st.st_mtime_ns))
 
 
 def largest_adapter_bytes(spec: ModelSpec, max_rank: int) -> int:
@@ -124,6 +135,7 @@ def read_adapter(
             "adapter %r: loading %s; %s left unopened (pickle files are never read)",
             adapter_id, WEIGHTS_FILE, ", ".join(pickles),
         )  # fmt: skip
+    stamp = files_stamp(path)  # before reading: a change during the read shows at the next check
     try:
         config_bytes = _read_regular_file(path / CONFIG_FILE, root, MAX_CONFIG_BYTES)
         data = _read_regular_file(path / WEIGHTS_FILE, root, largest_adapter_bytes(spec, max_rank))
@@ -199,4 +211,5 @@ def read_adapter(
         content_hash=digest,
         nbytes=len(data),
         target_modules=tuple(sorted({m for _, m in weights})),
+        stamp=stamp,
     )

@@ -18,6 +18,7 @@ weights merged now.
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
@@ -25,12 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lora_guard.engine.kv_cache import BlockManager
-from lora_guard.engine.lora.checkpoint import AdapterError, LoRAAdapter
+from lora_guard.engine.lora.checkpoint import AdapterError, LoRAAdapter, files_stamp
 from lora_guard.engine.lora.loader import AdapterLoader, HostCache
 from lora_guard.engine.lora.pool import AdapterLayout, CachePool, LayerWeights
 from lora_guard.engine.lora.registry import AdapterRegistry
 from lora_guard.engine.sequence import Sequence
 from lora_guard.plugins.manager import Hooks
+
+log = logging.getLogger(__name__)
 
 
 class Lookup(str, enum.Enum):
@@ -66,6 +69,7 @@ class AdapterStats:
     loads: int = 0
     failures: int = 0
     evictions: int = 0
+    changed_on_disk: int = 0  # adapters read again because their files changed
     swap_ms: list[float] = field(default_factory=list)
 
 
@@ -104,6 +108,7 @@ class ResidencyManager:
         self._layouts: dict[str, AdapterLayout] = {}  # by content hash
         self._load_started: dict[str, float] = {}  # disk reads under way: perf_counter at start
         self._read_ms: dict[str, float] = {}  # read from disk, not yet resident: the read's ms
+        self._stamps: dict[str, tuple[int, ...] | None] = {}  # files as last read (files_stamp)
         self._disk_reads: deque[float] = deque()  # monotonic start times, last 10 minutes
 
     @property
@@ -120,6 +125,21 @@ class ResidencyManager:
         for entry in self.residents():
             if entry.adapter_id == adapter_id:
                 entry.stale = True
+
+    def reread_if_changed(self, adapter_id: str) -> bool:
+        """If ``adapter_id``'s files changed on disk since they were read, replace it as
+        :meth:`register` does (new requests get the new weights; running ones finish under the
+        old). True when they had changed. Merged mode (the baselines) keeps what it merged."""
+        entry = self.registry.get(adapter_id)
+        if self.merge is not None or entry is None or adapter_id not in self._stamps:
+            return False
+        if files_stamp(entry.path) == self._stamps[adapter_id]:
+            return False
+        del self._stamps[adapter_id]
+        self.register(adapter_id, entry.path, entry.root)
+        self.stats.changed_on_disk += 1
+        log.info("adapter %r changed on disk: read again for new requests", adapter_id)
+        return True
 
     def unregister(self, adapter_id: str) -> None:
         self.registry.remove(adapter_id)
@@ -354,6 +374,7 @@ class ResidencyManager:
                 entry = self.registry.get(adapter_id)
                 if entry is not None and entry.path == result.path:
                     self.host.put(result)
+                    self._stamps[adapter_id] = result.stamp
                     if started is not None:
                         self._read_ms[adapter_id] = read_ms
             else:
