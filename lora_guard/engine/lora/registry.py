@@ -24,10 +24,11 @@ def valid_adapter_id(adapter_id: str) -> bool:
 
 def scan_adapter_dir(root: Path) -> list[tuple[str, Path]]:
     """(id, folder) for each adapter in ``root``: its subfolders holding an adapter_config.json
-    whose name is a valid id and that resolve inside ``root``, sorted by id."""
+    whose name is a valid id and that resolve inside ``root``, sorted by id. Hidden folders (a
+    name starting with a dot, as a copy half-written into place) are passed over."""
     found = []
     for folder in sorted(root.iterdir()):
-        if not (folder / CONFIG_FILE).is_file():
+        if folder.name.startswith(".") or not (folder / CONFIG_FILE).is_file():
             continue
         if not valid_adapter_id(folder.name):
             log.warning("adapter folder %r is not a valid adapter id: not served", folder.name)
