@@ -178,32 +178,35 @@ def test_an_adapter_deleted_while_in_use_finishes_its_request_then_fails_with_42
     assert tokens == expected[PROMPT, "a-01"]
 
 
-def test_an_adapter_replaced_on_disk_serves_the_new_weights_after_a_reload(
+def test_an_adapter_replaced_on_disk_serves_the_new_weights_at_the_next_request(
     store: Store, expected: dict[tuple[str, str | None], list[int]]
 ) -> None:
-    name = "in-use-swapped"  # a copy of a-01, replaced by a-02's files
+    name = "in-use-swapped"  # a copy of a-01, replaced by a-02's files while resident
     assert [t["id"] for t in store.generate(name).json()["details"]["tokens"]] == expected[
         PROMPT, "a-01"
     ]
+    changed = metric(store.server.url, "lora_guard_adapter_changed_on_disk_total")
     for file in (CONFIG, WEIGHTS):
         shutil.copyfile(store.adapters / "a-02" / file, store.adapters / name / file)
-    store.evict(name)
-    r = store.generate(name)
+    r = store.generate(name)  # no eviction needed: the change is seen and the files read again
     assert r.status_code == 200, r.text
     # The new weights, and no KV cached under the old ones (same name, same prompt) reused.
     assert [t["id"] for t in r.json()["details"]["tokens"]] == expected[PROMPT, "a-02"]
+    assert metric(store.server.url, "lora_guard_adapter_changed_on_disk_total") == changed + 1
 
 
-def test_an_adapter_truncated_while_in_use_serves_from_its_slot_then_fails_with_424(
+def test_an_adapter_truncated_on_disk_fails_with_424_until_its_files_are_whole_again(
     store: Store, expected: dict[tuple[str, str | None], list[int]]
 ) -> None:
     name = "in-use-truncated"
     assert store.generate(name).status_code == 200
-    _truncate(store.adapters / name, store.outside)
-    r = store.generate(name)  # still resident: its weights were checked when they were read
-    assert [t["id"] for t in r.json()["details"]["tokens"]] == expected[PROMPT, "a-01"]
-    store.evict(name)
+    whole = (store.adapters / name / WEIGHTS).read_bytes()
     failed = store.failed_loads()
-    r = store.generate(name)
+    _truncate(store.adapters / name, store.outside)
+    r = store.generate(name)  # the change is seen: read again, and refused
     assert r.status_code == 424 and "corrupt or truncated" in r.json()["error"], r.text
     assert store.failed_loads() == failed + 1
+    (store.adapters / name / WEIGHTS).write_bytes(whole)  # the copy completes
+    r = store.generate(name)
+    assert r.status_code == 200, r.text
+    assert [t["id"] for t in r.json()["details"]["tokens"]] == expected[PROMPT, "a-01"]

@@ -68,7 +68,8 @@ def generate(url: str, prompt: str, adapter: str | None, headers: dict[str, str]
 
 
 def disk_reads(url: str) -> float:
-    return sum(metric(url, "lora_guard_cold_loads_total", outcome=o) for o in ("loaded", "failed"))
+    loads = ("loaded", "failed")
+    return sum(metric(url, "lora_guard_cold_loads_total", OPS, outcome=o) for o in loads)
 
 
 def test_hostile_adapter_ids_get_a_clear_4xx_and_read_nothing(
@@ -109,11 +110,11 @@ def test_tenant_scope_keeps_prefix_cache_hits_within_one_tenant(
     prompt = "Tenants send requests to one endpoint; each request names an adapter and a prompt."
 
     def hit_tokens(headers: dict[str, str]) -> tuple[float, list[int]]:
-        before = metric(server.url, "lora_guard_prefix_cache_hit_tokens_total")
+        before = metric(server.url, "lora_guard_prefix_cache_hit_tokens_total", OPS)
         r = generate(server.url, prompt, "a-00", headers)
         assert r.status_code == 200, r.text
         tokens = [t["id"] for t in r.json()["details"]["tokens"]]
-        return metric(server.url, "lora_guard_prefix_cache_hit_tokens_total") - before, tokens
+        return metric(server.url, "lora_guard_prefix_cache_hit_tokens_total", OPS) - before, tokens
 
     first, tokens = hit_tokens(ALPHA)
     assert first == 0

@@ -198,21 +198,26 @@ def start_server(
     raise RuntimeError(f"server did not become healthy:\n{log.read_text()}")
 
 
-def metric_samples(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """``GET /metrics`` as ``{family name: [(labels, value), ...]}``."""
+def metric_samples(
+    url: str, headers: dict[str, str] | None = None
+) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """``GET /metrics`` as ``{family name: [(labels, value), ...]}`` (``headers``: an admin key,
+    where the server has a key file)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
+    reply = httpx.get(url + "/metrics", headers=headers, timeout=10)
+    reply.raise_for_status()
     found: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+    for family in text_string_to_metric_families(reply.text):
         for sample in family.samples:
             found.setdefault(sample.name, []).append((sample.labels, sample.value))
     return found
 
 
-def metric(url: str, name: str, **labels: str) -> float:
+def metric(url: str, name: str, headers: dict[str, str] | None = None, **labels: str) -> float:
     """The sum of the samples of ``name`` (a sample name, ``_total`` included) with ``labels``."""
-    rows = metric_samples(url).get(name, [])
+    rows = metric_samples(url, headers).get(name, [])
     return sum(v for found, v in rows if all(found.get(k) == w for k, w in labels.items()))
 
 
