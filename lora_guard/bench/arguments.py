@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lora_guard.bench.workload import WorkloadSpec
+from lora_guard.bench.workload import SCENARIOS, WorkloadSpec
 
 SCHEMES = ("static", "on-demand", "lru", "lora-guard", "lora-guard-observe", "peft")
 QUICK_SPEC = WorkloadSpec(
@@ -27,6 +27,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--requests", type=int, default=spec.requests)
     add("--rate", type=float, default=spec.rate, help="mean arrivals per second outside bursts")
     add("--zipf", type=float, default=spec.zipf, help="Zipf exponent of adapter popularity")
+    add(
+        "--scenario",
+        choices=SCENARIOS,
+        default=spec.scenario,
+        help="zipf (skewed popularity), uniform (every adapter alike), burst (halfway, a new "
+        "tenant brings 12 unused adapters at once), tenant-storm (tenant t0 floods the middle "
+        "third with 8x the others' traffic)",
+    )
     add(
         "--system-prompt-words",
         type=int,

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print(markdown_table(summaries))
     report = {
         "command": "lora-guard " + " ".join(argv),
-        "workload": _workload(trace),
+        "workload": _workload(trace) | {"scenario": None if args.trace else args.scenario},
         "engine": engine,
         "schemes": summaries,
         "duration_s": time.monotonic() - started,
@@ -183,7 +183,7 @@ def _progress(started: float, what: str) -> None:
 def _spec(args: argparse.Namespace) -> WorkloadSpec:
     return WorkloadSpec(
         adapters=args.adapters, tenants=args.tenants, requests=args.requests, rate=args.rate,
-        zipf=args.zipf, output_mean=args.output_mean, seed=args.seed,
+        zipf=args.zipf, output_mean=args.output_mean, seed=args.seed, scenario=args.scenario,
         system_prompt_words=args.system_prompt_words, user_words_mean=args.user_words,
     )  # fmt: skip
 
@@ -198,7 +198,7 @@ def _model_and_spec(args: argparse.Namespace, scratch: Path) -> tuple[Path, Path
         adapters = scratch / "adapters"
         make_adapters(model, adapters, n=QUICK_SPEC.adapters, ranks=(4, 8, 16), strength=0.5,
                       prefix="quick")  # fmt: skip
-        return model, adapters, replace(QUICK_SPEC, seed=args.seed)
+        return model, adapters, replace(QUICK_SPEC, seed=args.seed, scenario=args.scenario)
     if args.model is None:
         from lora_guard.demo import prepare_demo
 

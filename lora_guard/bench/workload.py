@@ -26,6 +26,11 @@ _WORD_LIST = (
 _WORDS = _WORD_LIST.split()
 
 
+SCENARIOS = ("zipf", "uniform", "burst", "tenant-storm")
+BURST_ADAPTERS = 12  # adapters the cold tenant of the ``burst`` scenario brings at once
+STORM_FACTOR = 8.0  # the flooding tenant's arrival rate over everyone else's, in ``tenant-storm``
+
+
 class TraceError(ValueError):
     """A trace line cannot be read."""
 
@@ -50,6 +55,10 @@ class WorkloadSpec:
     output_max: int = 400
     base_share: float = 0.0  # share of requests for the base model (no adapter)
     seed: int = 0
+    # zipf: popularity 1/(i+1)**zipf; uniform: every adapter alike; burst: halfway through, a new
+    # tenant arrives with 12 adapters nobody used before, one request each at once; tenant-storm:
+    # over the middle third, tenant t0 adds 8x the rest's traffic on its own adapters.
+    scenario: str = "zipf"
 
 
 @dataclass(frozen=True)
@@ -65,38 +74,79 @@ class TraceRequest:
 def make_trace(spec: WorkloadSpec, adapter_ids: Sequence[str]) -> list[TraceRequest]:
     """Requests drawn from ``spec``: adapter ``adapter_ids[i]`` has Zipf weight ``1/(i+1)**zipf``
     and belongs to tenant ``i % tenants``; each tenant has its own system prompt."""
+    if spec.scenario not in SCENARIOS:
+        raise TraceError(f"unknown scenario {spec.scenario!r}; choose from {', '.join(SCENARIOS)}")
     if len(adapter_ids) < spec.adapters:
         raise TraceError(f"the workload needs {spec.adapters} adapters, {len(adapter_ids)} given")
+    if spec.scenario == "burst" and spec.adapters <= BURST_ADAPTERS:
+        raise TraceError(f"the burst scenario needs more than {BURST_ADAPTERS} adapters")
     rng = random.Random(spec.seed)
     adapters = list(adapter_ids[: spec.adapters])
-    weights = [1 / (i + 1) ** spec.zipf for i in range(len(adapters))]
+    exponent = 0.0 if spec.scenario == "uniform" else spec.zipf
+    weights = [1 / (i + 1) ** exponent for i in range(len(adapters))]
+    if spec.scenario == "burst":
+        weights[-BURST_ADAPTERS:] = [0.0] * BURST_ADAPTERS  # the cold tenant's, unused until then
     system = [_words(rng, spec.system_prompt_words, f"Tenant {t}.") for t in range(spec.tenants)]
     # Lognormal output lengths with the asked mean; sigma 0.6 gives a long tail.
     sigma = 0.6
     mu = math.log(spec.output_mean) - sigma**2 / 2
-    trace, now = [], 0.0
-    for n in range(spec.requests):
+
+    def request(time: float, tenant: int, index: int | None) -> _Arrival:
+        user_words = max(1, round(rng.expovariate(1 / spec.user_words_mean)))
+        prompt = f"{system[tenant]}\nUser: {_words(rng, user_words, 'Question:')}\nAssistant:"
+        out = min(spec.output_max, max(spec.output_min, round(rng.lognormvariate(mu, sigma))))
+        return _Arrival(time, tenant, index, prompt, out)
+
+    arrivals: list[_Arrival] = []
+    now = 0.0
+    for _ in range(spec.requests):
         in_burst = (now % spec.burst_every_s) < spec.burst_len_s
         now += rng.expovariate(spec.rate * (spec.burst_factor if in_burst else 1.0))
         if rng.random() < spec.base_share:
-            adapter, tenant = None, rng.randrange(spec.tenants)
+            arrivals.append(request(now, rng.randrange(spec.tenants), None))
         else:
             index = rng.choices(range(len(adapters)), weights=weights)[0]
-            adapter, tenant = adapters[index], index % spec.tenants
-        user_words = max(1, round(rng.expovariate(1 / spec.user_words_mean)))
-        prompt = f"{system[tenant]}\nUser: {_words(rng, user_words, 'Question:')}\nAssistant:"
-        out = round(rng.lognormvariate(mu, sigma))
-        trace.append(
-            TraceRequest(
-                id=f"r{n:04d}",
-                time=round(now, 3),
-                tenant=f"t{tenant}",
-                adapter_id=adapter,
-                prompt=prompt,
-                max_new_tokens=min(spec.output_max, max(spec.output_min, out)),
-            )
+            arrivals.append(request(now, index % spec.tenants, index))
+    if spec.scenario == "burst":
+        # Halfway through, a new tenant sends one request for each of its 12 adapters, 10 ms
+        # apart, in place of as many of the arrivals that follow (the length stays as asked).
+        system.append(_words(rng, spec.system_prompt_words, f"Tenant {spec.tenants}."))
+        middle = len(arrivals) // 2
+        start = arrivals[middle].time
+        del arrivals[middle : middle + BURST_ADAPTERS]
+        first = len(adapters) - BURST_ADAPTERS
+        arrivals += [request(start + 0.01 * k, spec.tenants, first + k)
+                     for k in range(BURST_ADAPTERS)]  # fmt: skip
+    if spec.scenario == "tenant-storm":
+        # Over the middle third, tenant 0 adds STORM_FACTOR times the other tenants' arrivals
+        # there, on its own adapters (the trace grows by the flood).
+        low, high = arrivals[-1].time / 3, 2 * arrivals[-1].time / 3
+        own = [i for i in range(len(adapters)) if i % spec.tenants == 0]
+        others = sum(1 for a in arrivals if low <= a.time < high and a.tenant != 0)
+        for _ in range(round(STORM_FACTOR * max(others, 1))):
+            index = rng.choices(own, weights=[weights[i] for i in own])[0]
+            arrivals.append(request(rng.uniform(low, high), 0, index))
+    arrivals.sort(key=lambda a: a.time)
+    return [
+        TraceRequest(
+            id=f"r{n:04d}",
+            time=round(a.time, 3),
+            tenant=f"t{a.tenant}",
+            adapter_id=adapters[a.index] if a.index is not None else None,
+            prompt=a.prompt,
+            max_new_tokens=a.max_new_tokens,
         )
-    return trace
+        for n, a in enumerate(arrivals)
+    ]
+
+
+@dataclass(frozen=True)
+class _Arrival:
+    time: float
+    tenant: int
+    index: int | None  # into the adapters; None for the base model
+    prompt: str
+    max_new_tokens: int
 
 
 def _words(rng: random.Random, n: int, lead: str) -> str:

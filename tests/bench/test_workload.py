@@ -107,3 +107,44 @@ def test_percentiles_interpolate_between_ranks() -> None:
     assert percentile([4.0], 5) == 4.0
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
     assert percentile([10.0, 0.0], 5) == pytest.approx(0.5)
+
+
+IDS = [f"a-{i:02d}" for i in range(24)]
+
+
+def test_the_uniform_scenario_asks_every_adapter_alike() -> None:
+    trace = make_trace(WorkloadSpec(scenario="uniform", requests=2400), IDS)
+    counts = Counter(r.adapter_id for r in trace)
+    assert set(counts) == set(IDS) and max(counts.values()) < 2 * min(counts.values())
+    zipf = Counter(r.adapter_id for r in make_trace(WorkloadSpec(requests=2400), IDS))
+    assert zipf["a-00"] > 5 * zipf["a-23"]  # the default stays skewed
+
+
+def test_the_burst_scenario_brings_a_cold_tenant_with_12_unused_adapters_at_once() -> None:
+    trace = make_trace(WorkloadSpec(scenario="burst", requests=64), IDS)
+    assert len(trace) == 64
+    newcomer = [r for r in trace if r.tenant == "t6"]  # a seventh tenant, after the 6
+    assert len(newcomer) == 12 and newcomer[-1].time - newcomer[0].time < 0.2
+    arrived = newcomer[0].time
+    before = {r.adapter_id for r in trace if r.time < arrived}
+    assert not {r.adapter_id for r in newcomer} & before, "its adapters were used before"
+    assert len({r.adapter_id for r in newcomer}) == 12
+    assert all(r.prompt.startswith("Tenant 6.") for r in newcomer)
+    with pytest.raises(TraceError, match="more than 12 adapters"):
+        make_trace(WorkloadSpec(scenario="burst", adapters=12), IDS)
+
+
+def test_the_tenant_storm_floods_the_middle_third_with_one_tenant() -> None:
+    trace = make_trace(WorkloadSpec(scenario="tenant-storm", requests=90), IDS)
+    end = max(r.time for r in trace)
+    middle = [r for r in trace if end / 3 <= r.time < 2 * end / 3]
+    outside = [r for r in trace if not end / 3 <= r.time < 2 * end / 3]
+    share = sum(r.tenant == "t0" for r in middle) / len(middle)
+    assert share > 0.8 > sum(r.tenant == "t0" for r in outside) / len(outside) + 0.3
+    assert all(r.adapter_id in IDS[::6] for r in middle if r.tenant == "t0")  # its own adapters
+    assert [r.id for r in trace] == [f"r{n:04d}" for n in range(len(trace))]  # in time order
+
+
+def test_an_unknown_scenario_is_refused() -> None:
+    with pytest.raises(TraceError, match="unknown scenario 'storm'"):
+        make_trace(WorkloadSpec(scenario="storm"), IDS)
