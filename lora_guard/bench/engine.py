@@ -101,6 +101,9 @@ def engine_run(
         if running and len(running) == len(prompts) and computed_before > 0:
             decode_steps.append(elapsed)
     total = time.perf_counter() - started
+    if not decode_steps:
+        raise SystemExit(f"no step decoded all {len(prompts)} requests at once: "
+                         f"raise --new-tokens (now {new_tokens})")  # fmt: skip
     return statistics.median(decode_steps) * 1000, len(prompts) * new_tokens / total
 
 
@@ -179,7 +182,8 @@ def _bench(args: argparse.Namespace) -> int:
         for n in names
     }
     engine_runs: dict[int, tuple[float, float, float, float]] = {}
-    engine_run(llm, _prompts(tokenizer, len(names)), list(names), 4)  # warm-up, loads adapters
+    # Warm-up: every adapter read and resident before anything is timed.
+    llm.generate(_prompts(tokenizer, len(names)), SamplingParams(max_new_tokens=4), list(names))
     for batch in batches:
         prompts = _prompts(tokenizer, batch)
         mixed = [names[i % len(names)] for i in range(batch)]
