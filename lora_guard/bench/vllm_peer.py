@@ -10,7 +10,7 @@ The peer serves the same checkpoint and the trace's adapters (``--enable-lora``,
 request goes to the OpenAI completions route at its trace time, streamed, with ``model`` = the
 adapter (``base`` for none), the prompt as the engine's own token ids, greedy, ``ignore_eos`` as
 the in-process schemes run. vLLM counts no adapter hits or loads, so those figures stay empty; its
-peak memory is the resident peak of its processes.
+peak memory is the sum of its processes' resident peaks.
 """
 
 from __future__ import annotations
@@ -203,12 +203,13 @@ def _send(
 
 
 def _tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and its children now (vLLM runs its engine in a child)."""
+    """The resident peaks (VmHWM) of ``pid`` and its children, summed (vLLM runs its engine in
+    children): at least the tree's true peak, never a sample that missed it."""
     total = 0
     for child in [pid, *_children(pid)]:
         try:
             for line in Path(f"/proc/{child}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
+                if line.startswith("VmHWM:"):
                     total += int(line.split()[1]) * 1024
         except OSError:
             continue

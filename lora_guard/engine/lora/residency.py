@@ -120,11 +120,7 @@ class ResidencyManager:
         """Add or replace an adapter; a replaced one is read again from disk on its next use,
         while requests that started under the old weights finish under them."""
         self.registry.add(adapter_id, path, root)
-        self.host.drop(adapter_id)
-        self._read_ms.pop(adapter_id, None)
-        for entry in self.residents():
-            if entry.adapter_id == adapter_id:
-                entry.stale = True
+        self._forget(adapter_id)
 
     def reread_if_changed(self, adapter_id: str) -> bool:
         """If ``adapter_id``'s files changed on disk since they were read, replace it as
@@ -135,7 +131,6 @@ class ResidencyManager:
             return False
         if files_stamp(entry.path) == self._stamps[adapter_id]:
             return False
-        del self._stamps[adapter_id]
         self.register(adapter_id, entry.path, entry.root)
         self.stats.changed_on_disk += 1
         log.info("adapter %r changed on disk: read again for new requests", adapter_id)
@@ -143,12 +138,18 @@ class ResidencyManager:
 
     def unregister(self, adapter_id: str) -> None:
         self.registry.remove(adapter_id)
+        self._forget(adapter_id)
+        self._drop_unused_stale()
+
+    def _forget(self, adapter_id: str) -> None:
+        """Drop what was read of ``adapter_id``: its next use reads it again, while resident
+        versions serve only the requests that started under them."""
         self.host.drop(adapter_id)
         self._read_ms.pop(adapter_id, None)
+        self._stamps.pop(adapter_id, None)
         for entry in self.residents():
             if entry.adapter_id == adapter_id:
                 entry.stale = True
-        self._drop_unused_stale()
 
     def knows(self, adapter_id: str) -> bool:
         return adapter_id in self.registry
