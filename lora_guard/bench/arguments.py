@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from lora_guard.bench.workload import SCENARIOS, WorkloadSpec
 
 SCHEMES = ("static", "on-demand", "lru", "lora-guard", "lora-guard-observe", "peft")
+FULL_REQUESTS = 200
+FULL_SEEDS = (0, 1, 2)
+DEFAULT_LOAD = 0.7
 QUICK_SPEC = WorkloadSpec(
     adapters=8, tenants=2, requests=32, rate=6.0, burst_every_s=2.0, burst_len_s=0.5,
     system_prompt_words=24, user_words_mean=8, output_mean=12, output_min=4, output_max=32,
@@ -24,8 +28,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--schemes", default=",".join(SCHEMES), help="comma-separated, from: " + ", ".join(SCHEMES))
     add("--adapters", type=int, default=spec.adapters, help="adapters in the generated trace")
     add("--tenants", type=int, default=spec.tenants)
-    add("--requests", type=int, default=spec.requests)
-    add("--rate", type=float, default=spec.rate, help="mean arrivals per second outside bursts")
+    add("--requests", type=int, default=FULL_REQUESTS, help="requests per trace (per seed)")
+    add(
+        "--load",
+        type=float,
+        default=DEFAULT_LOAD,
+        help="mean arrival rate as a share of this machine's measured base-model capacity",
+    )
+    add(
+        "--rate",
+        type=float,
+        help="mean arrivals per second outside bursts, instead of --load (default against "
+        f"--target: {spec.rate})",
+    )
     add("--zipf", type=float, default=spec.zipf, help="Zipf exponent of adapter popularity")
     add(
         "--scenario",
@@ -48,7 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="mean length of the user part of a prompt",
     )
     add("--output-mean", type=float, default=spec.output_mean, help="mean max_new_tokens")
-    add("--seed", type=int, default=spec.seed)
+    add(
+        "--seeds",
+        type=_seeds,
+        help="comma-separated trace seeds; each seed is a trace every scheme replays, and the "
+        f"report gives medians and spreads (default: {','.join(map(str, FULL_SEEDS))}; "
+        "--quick and --target: 0)",
+    )
+    add("--seed", type=int, dest="seeds", action=_OneSeed, help="one seed: --seeds N")
     add("--max-loras", type=int, default=8, help="device slots")
     add("--max-lora-rank", type=int, default=64)
     add("--kv-cache-memory", default="768MiB")
@@ -87,3 +109,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--peer-port", type=int, default=8701, help="loopback port for the peer")
     add("--json", type=Path, metavar="FILE", help="write the report as JSON")
     add("--plots", type=Path, metavar="DIR", help="write PNG plots (needs matplotlib)")
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seeds such as 0,1,2, got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"expected distinct seeds such as 0,1,2, got {text!r}")
+    return seeds
+
+
+class _OneSeed(argparse.Action):
+    def __call__(self, parser: Any, namespace: Any, value: Any, option: Any = None) -> None:
+        setattr(namespace, self.dest, [value])

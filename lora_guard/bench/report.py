@@ -117,6 +117,52 @@ def summarize(
     }
 
 
+# Counts add up over seeds; every other figure is the median of the seeds' figures.
+_SUMMED = frozenset({"requests", "completed", "failed", "retries", "swaps", "generated_tokens",
+                     "kv_conflicts", "oracle_mismatches"})  # fmt: skip
+
+
+def median(values: Sequence[float]) -> float:
+    middle = percentile(values, 50)
+    return 0.0 if middle is None else middle
+
+
+def aggregate(per_seed: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """One summary per scheme over the seeds' summaries: counts summed, figures as medians,
+    ``spread`` the (min, max) of each figure, ``seeds`` every seed."""
+    names = list(dict.fromkeys(name for one in per_seed for name in one))
+    merged = {}
+    for name in names:
+        runs = [one[name] for one in per_seed if name in one]
+        summary: dict[str, Any] = {}
+        spread: dict[str, list[float]] = {}
+        for key, first in runs[0].items():
+            values = [run[key] for run in runs]
+            if key == "seeds":
+                seeds = [seed for value in values for seed in value or ()]
+                summary[key] = seeds or None
+            elif isinstance(first, dict):
+                summary[key] = {k: _combine(k in _SUMMED, [v.get(k) for v in values])
+                                for k in first}  # fmt: skip
+            else:
+                summary[key] = _combine(key in _SUMMED, values)
+                numbers = [v for v in values if isinstance(v, int | float)]
+                if numbers and key not in _SUMMED:
+                    spread[key] = [min(numbers), max(numbers)]
+        summary["spread"] = spread
+        merged[name] = summary
+    return merged
+
+
+def _combine(summed: bool, values: Sequence[Any]) -> Any:
+    numbers = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+    if not numbers:
+        return values[0] if len(values) == 1 else None
+    if summed:
+        return sum(numbers)
+    return numbers[0] if len(numbers) == 1 else median(numbers)
+
+
 def _ratio(value: float, reference: float) -> float | None:
     return value / reference if value and reference else None
 

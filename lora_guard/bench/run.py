@@ -14,15 +14,24 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from statistics import median_low
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 
-from lora_guard.bench.arguments import QUICK_SPEC, SCHEMES
+from lora_guard.bench.arguments import FULL_SEEDS, QUICK_SPEC, SCHEMES
+from lora_guard.bench.capacity import (
+    CAPACITY_BATCH,
+    Capacity,
+    arrival_rate,
+    capacity_prompts,
+    measure_capacity,
+)
+from lora_guard.bench.compass import compass, compass_lines
 from lora_guard.bench.oracle import OracleRequest, oracle_tokens
 from lora_guard.bench.peft_peer import replay_peft
 from lora_guard.bench.replay import (
@@ -31,7 +40,7 @@ from lora_guard.bench.replay import (
     adapter_ids,
     replay_scheme,
 )
-from lora_guard.bench.report import markdown_table, summarize
+from lora_guard.bench.report import aggregate, markdown_table, median, summarize
 from lora_guard.bench.target import replay_target
 from lora_guard.bench.vllm_peer import PeerError
 from lora_guard.bench.workload import (
@@ -54,27 +63,36 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"error: unknown scheme {unknown[0] if unknown else ''!r}; choose from "
               f"{', '.join(SCHEMES)}", file=sys.stderr)  # fmt: skip
         return 2
+    if not args.load > 0:
+        print(f"error: --load must be positive, got {args.load}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="lora-guard-bench-") as scratch:
         try:
             if args.target:
-                runs, mismatches, trace, engine = _against_target(args, started)
+                bench = _against_target(args, started)
             else:
-                runs, mismatches, trace, engine = _in_process(args, schemes, Path(scratch), started)
+                bench = _in_process(args, schemes, Path(scratch), started)
         except (TraceError, PeerError, OSError, httpx.HTTPError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    seeds = None if args.trace else [args.seed]
-    adapters = _workload(trace)["adapters"]
-    summaries = {
-        name: summarize(run, mismatches.get(name), runs.get("static"), seeds, adapters)
-        for name, run in runs.items()
-    }
+    per_seed = [_summaries(part) for part in bench.parts]
+    summaries = aggregate(per_seed)
+    targets = compass(per_seed)
     print(markdown_table(summaries))
+    if len(per_seed) > 1:
+        seeds = ", ".join(str(part.seed) for part in bench.parts)
+        print(f"\nmedians over {len(per_seed)} seeds ({seeds}); each figure's spread is in the JSON")
+    print("\n" + "\n".join(compass_lines(targets, len(per_seed))))
     report = {
         "command": "lora-guard " + " ".join(argv),
-        "workload": _workload(trace) | {"scenario": None if args.trace else args.scenario},
-        "engine": engine,
+        "workload": _workloads(bench, args),
+        "engine": bench.engine,
         "schemes": summaries,
+        "compass": targets,
+        "per_seed": [
+            {"seed": part.seed, "workload": _workload(part.trace), "schemes": one}
+            for part, one in zip(bench.parts, per_seed, strict=True)
+        ],
         "duration_s": time.monotonic() - started,
     }
     if args.json:
@@ -83,7 +101,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.plots:
         from lora_guard.bench.plots import write_plots
 
-        for path in write_plots(summaries, runs, args.plots):
+        # The CDFs and the hit rate over time are the first seed's runs.
+        for path in write_plots(summaries, bench.parts[0].runs, args.plots):
             print(f"wrote {path}", file=sys.stderr)
     lost = sum(s["requests"] - s["completed"] for s in summaries.values())
     if lost:
@@ -91,88 +110,168 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 1 if lost else 0
 
 
-Outcome = tuple[dict[str, SchemeRun], dict[str, int], list[TraceRequest], dict[str, Any]]
+def _summaries(part: SeedRun) -> dict[str, dict[str, Any]]:
+    seeds = None if part.seed is None else [part.seed]
+    adapters = _workload(part.trace)["adapters"]
+    static = part.runs.get("static")
+    return {
+        name: summarize(run, part.mismatches.get(name), static, seeds, adapters)
+        for name, run in part.runs.items()
+    }
+
+
+@dataclass
+class SeedRun:
+    """Every scheme's replay of one trace, and the requests whose outputs differ from the oracle."""
+
+    seed: int | None  # None: a trace read from a file
+    trace: list[TraceRequest]
+    runs: dict[str, SchemeRun]
+    mismatches: dict[str, int]
+
+
+@dataclass
+class Bench:
+    parts: list[SeedRun]
+    engine: dict[str, Any]
+    rate: float  # arrivals per second outside bursts (None for a trace read from a file)
+    capacity: Capacity | None = None
+
+
+def _seeds(args: argparse.Namespace) -> list[int | None]:
+    if args.trace:
+        return [None]
+    if args.seeds:
+        return list(args.seeds)
+    return [0] if args.quick or args.target else list(FULL_SEEDS)
 
 
 def _in_process(
     args: argparse.Namespace, schemes: list[str], scratch: Path, started: float
-) -> Outcome:
+) -> Bench:
     model, adapter_dir, spec = _model_and_spec(args, scratch)
     ids = adapter_ids(adapter_dir)
-    trace = _trace(args, spec, ids)
-    used = {r.adapter_id for r in trace if r.adapter_id}
     options = EngineOptions(
         model=str(model), adapter_dir=str(adapter_dir),
         max_loras=args.max_loras if not args.quick else 4,
         max_lora_rank=args.max_lora_rank,
         kv_cache_memory=args.kv_cache_memory if not args.quick else "16MiB",
-        cold_loads_per_minute=args.cold_loads_per_minute or max(len(used), 1),
         dtype=args.dtype, device=args.device,
     )  # fmt: skip
-    popular = Counter(r.adapter_id for r in trace if r.adapter_id).most_common(1)
-    static_id = popular[0][0] if popular else ids[0]
-    _progress(started, f"{_describe(trace)}; {options.max_loras} slots; static serves {static_id}")
-    runs: dict[str, SchemeRun] = {}
     # --quick runs everything here: process start-up would outweigh the tiny model's work.
     isolated = not args.quick
-    for scheme in schemes:
-        _progress(started, f"replaying {len(trace)} requests on {scheme}")
-        if scheme == "peft":
-            runs[scheme] = _call(isolated, replay_peft, trace, options)
-        else:
-            runs[scheme] = _call(isolated, replay_scheme, scheme, trace, options, static_id)
-    if args.peer == "vllm":
-        from lora_guard.bench.vllm_peer import peer_python, replay_vllm
+    capacity = None
+    if args.rate is None and not args.trace:
+        _progress(started, f"measuring capacity: {CAPACITY_BATCH} base-model requests at once")
+        capacity = _call(isolated, measure_capacity, capacity_prompts(spec, ids), options)
+        spec = replace(spec, rate=arrival_rate(spec, args.load, capacity))
+        _progress(started, f"capacity {capacity.requests_per_s:.3g} requests/s "
+                           f"({capacity.tokens_per_s:.0f} tokens/s); load {args.load}: "
+                           f"{spec.rate:.3g} arrivals/s outside bursts")  # fmt: skip
+    elif args.rate is not None:
+        spec = replace(spec, rate=args.rate)
+    parts = []
+    engine: dict[str, Any] = {}
+    for seed in _seeds(args):
+        trace = _trace(args, spec if seed is None else replace(spec, seed=seed), ids, seed)
+        used = {r.adapter_id for r in trace if r.adapter_id}
+        budget = args.cold_loads_per_minute or max(len(used), 1)
+        seed_options = replace(options, cold_loads_per_minute=budget)
+        popular = Counter(r.adapter_id for r in trace if r.adapter_id).most_common(1)
+        static_id = popular[0][0] if popular else ids[0]
+        what = "" if seed is None else f"seed {seed}: "
+        _progress(started, f"{what}{_describe(trace)}; {options.max_loras} slots; static serves "
+                           f"{static_id}")  # fmt: skip
+        runs: dict[str, SchemeRun] = {}
+        for scheme in schemes:
+            _progress(started, f"{what}replaying {len(trace)} requests on {scheme}")
+            if scheme == "peft":
+                runs[scheme] = _call(isolated, replay_peft, trace, seed_options)
+            else:
+                runs[scheme] = _call(
+                    isolated, replay_scheme, scheme, trace, seed_options, static_id
+                )
+        if args.peer == "vllm":
+            from lora_guard.bench.vllm_peer import peer_python, replay_vllm
 
-        python = peer_python(args.peer_python, log=lambda msg: _progress(started, msg))
-        _progress(started, f"replaying {len(trace)} requests on vLLM ({python})")
-        runs["vllm"] = replay_vllm(trace, options, python, args.peer_port, scratch / "vllm.log")
-    _progress(started, "computing the oracle")
-    mismatches = _oracle_mismatches(runs, trace, options, static_id, isolated)
+            python = peer_python(args.peer_python, log=lambda msg: _progress(started, msg))
+            _progress(started, f"{what}replaying {len(trace)} requests on vLLM ({python})")
+            runs["vllm"] = replay_vllm(trace, seed_options, python, args.peer_port,
+                                       scratch / "vllm.log")  # fmt: skip
+        _progress(started, f"{what}computing the oracle")
+        mismatches = _oracle_mismatches(runs, trace, seed_options, static_id, isolated)
+        parts.append(SeedRun(seed, trace, runs, mismatches))
+        # Folder names, not paths: the report is meant to be shared.
+        engine = asdict(seed_options) | {"model": Path(options.model).name,
+                                         "adapter_dir": Path(options.adapter_dir).name,
+                                         "static_adapter": static_id}  # fmt: skip
     _progress(started, "done")
-    # Folder names, not paths: the report is meant to be shared.
-    engine = asdict(options) | {"model": Path(options.model).name,
-                                "adapter_dir": Path(options.adapter_dir).name,
-                                "static_adapter": static_id}  # fmt: skip
-    return runs, mismatches, trace, engine
+    return Bench(parts, engine, spec.rate, capacity)
 
 
-def _against_target(args: argparse.Namespace, started: float) -> Outcome:
-    """One run against the server at ``--target``; outputs are checked against the oracle when
-    ``--model`` (and ``--adapter-dir``) name the checkpoint that server serves."""
+def _against_target(args: argparse.Namespace, started: float) -> Bench:
+    """A run against the server at ``--target`` per seed; outputs are checked against the oracle
+    when ``--model`` (and ``--adapter-dir``) name the checkpoint that server serves."""
     with httpx.Client(base_url=args.target.rstrip("/"), timeout=30) as client:
         listed = client.get("/v1/models").json()["data"]
         base = client.get("/info").json()["model_id"]
     ids = sorted(m["id"] for m in listed if m["id"] != base)
     spec = _spec(args)
-    trace = _trace(args, spec, ids)
-    _progress(started, f"{_describe(trace)}; against {args.target}")
-    run = replay_target(args.target, trace, args.max_loras, args.target_name, args.api_key)
-    mismatches: dict[str, int] = {}
-    if args.model is not None:
-        _progress(started, "computing the oracle")
-        options = EngineOptions(model=str(args.model), adapter_dir=str(args.adapter_dir),
-                                kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
-                                device=args.device)  # fmt: skip
-        wanted = [OracleRequest(r.id, r.prompt, r.adapter_id, r.max_new_tokens, ignore_eos=False)
-                  for r in trace]  # fmt: skip
-        oracle = _call(True, oracle_tokens, wanted, options)
-        mismatches[run.scheme] = sum(
-            1
-            for r in run.records
-            if r.id in oracle and r.error is None and r.tokens != oracle[r.id]
-        )
+    spec = replace(spec, rate=args.rate if args.rate is not None else WorkloadSpec().rate)
+    parts = []
+    for seed in _seeds(args):
+        trace = _trace(args, spec if seed is None else replace(spec, seed=seed), ids, seed)
+        _progress(started, f"{_describe(trace)}; against {args.target}")
+        run = replay_target(args.target, trace, args.max_loras, args.target_name, args.api_key)
+        mismatches: dict[str, int] = {}
+        if args.model is not None:
+            _progress(started, "computing the oracle")
+            options = EngineOptions(model=str(args.model), adapter_dir=str(args.adapter_dir),
+                                    kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
+                                    device=args.device)  # fmt: skip
+            wanted = [OracleRequest(r.id, r.prompt, r.adapter_id, r.max_new_tokens,
+                                    ignore_eos=False) for r in trace]  # fmt: skip
+            oracle = _call(True, oracle_tokens, wanted, options)
+            mismatches[run.scheme] = sum(
+                1
+                for r in run.records
+                if r.id in oracle and r.error is None and r.tokens != oracle[r.id]
+            )
+        parts.append(SeedRun(seed, trace, {run.scheme: run}, mismatches))
     _progress(started, "done")
-    return {run.scheme: run}, mismatches, trace, {"target": args.target, "slots": args.max_loras}
+    return Bench(parts, {"target": args.target, "slots": args.max_loras}, spec.rate)
 
 
-def _trace(args: argparse.Namespace, spec: WorkloadSpec, ids: list[str]) -> list[TraceRequest]:
+def _workloads(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
+    """The workload over every seed: requests in all, the rest the median trace's figures."""
+    traces = [_workload(part.trace) for part in bench.parts]
+    capacity = bench.capacity
+    return {
+        "requests": sum(t["requests"] for t in traces),
+        "duration_s": median([t["duration_s"] for t in traces]),
+        "adapters": median_low([t["adapters"] for t in traces]),
+        "tenants": median_low([t["tenants"] for t in traces]),
+        "mean_max_new_tokens": median([t["mean_max_new_tokens"] for t in traces]),
+        "scenario": None if args.trace else args.scenario,
+        "seeds": [part.seed for part in bench.parts if part.seed is not None] or None,
+        "rate": None if args.trace else bench.rate,
+        "load": args.load if capacity is not None else None,
+        "capacity": None if capacity is None else asdict(capacity),
+    }
+
+
+def _trace(
+    args: argparse.Namespace, spec: WorkloadSpec, ids: list[str], seed: int | None
+) -> list[TraceRequest]:
     trace = read_trace(args.trace) if args.trace else make_trace(spec, ids)
     missing = sorted({r.adapter_id for r in trace if r.adapter_id} - set(ids))
     if missing:
         raise TraceError(f"the trace names adapters that are not served: {', '.join(missing)}")
     if args.write_trace:
-        write_trace(trace, args.write_trace)
+        path = args.write_trace
+        if seed is not None and len(_seeds(args)) > 1:
+            path = path.with_name(f"{path.stem}-seed{seed}{path.suffix}")
+        write_trace(trace, path)
     return trace
 
 
@@ -182,8 +281,8 @@ def _progress(started: float, what: str) -> None:
 
 def _spec(args: argparse.Namespace) -> WorkloadSpec:
     return WorkloadSpec(
-        adapters=args.adapters, tenants=args.tenants, requests=args.requests, rate=args.rate,
-        zipf=args.zipf, output_mean=args.output_mean, seed=args.seed, scenario=args.scenario,
+        adapters=args.adapters, tenants=args.tenants, requests=args.requests,
+        zipf=args.zipf, output_mean=args.output_mean, scenario=args.scenario,
         system_prompt_words=args.system_prompt_words, user_words_mean=args.user_words,
     )  # fmt: skip
 
@@ -198,7 +297,7 @@ def _model_and_spec(args: argparse.Namespace, scratch: Path) -> tuple[Path, Path
         adapters = scratch / "adapters"
         make_adapters(model, adapters, n=QUICK_SPEC.adapters, ranks=(4, 8, 16), strength=0.5,
                       prefix="quick")  # fmt: skip
-        return model, adapters, replace(QUICK_SPEC, seed=args.seed, scenario=args.scenario)
+        return model, adapters, replace(QUICK_SPEC, scenario=args.scenario)
     if args.model is None:
         from lora_guard.demo import prepare_demo
 

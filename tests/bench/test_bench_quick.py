@@ -64,6 +64,25 @@ def test_the_report_holds_every_scheme_with_every_figure(quick: tuple) -> None: 
 
 
 @pytest.mark.slow
+def test_the_arrival_rate_comes_from_the_measured_capacity(quick: tuple) -> None:  # type: ignore[type-arg]
+    report, stdout, _ = quick
+    workload = report["workload"]
+    capacity = workload["capacity"]
+    assert capacity["batch"] == 16 and capacity["requests_per_s"] > 0
+    # QUICK_SPEC's bursts: 4x arrivals for 0.5 s out of every 2 s, so the mean is 1.75x the rate.
+    assert workload["rate"] * 1.75 == pytest.approx(workload["load"] * capacity["requests_per_s"])
+    # Each compass figure the run can tell is printed with its target and verdict.
+    compass = report["compass"]
+    assert {"tail tok/s vs static", "TTFT p95 vs static", "tok/s vs peft"} <= set(compass)
+    for name, figure in compass.items():
+        verdict = "met" if figure["met"] else "missed"
+        assert (
+            f"lora-guard {name}: {figure['value']:.3g}, target {figure['target']}: {verdict}"
+            in stdout
+        )
+
+
+@pytest.mark.slow
 def test_lora_guard_shares_no_kv_across_adapters_and_matches_the_oracle(quick: tuple) -> None:  # type: ignore[type-arg]
     schemes = quick[0]["schemes"]
     assert schemes["lora-guard"]["kv_conflicts"] == 0
