@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,10 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# The tests' ``tiny_adapters`` fixture: ``(n, prefix, ranks=(4,), **make_adapters kwargs)`` to
+# ``{adapter id: folder}``.
+AdapterFactory = Callable[..., dict[str, Path]]
 
 _CORPUS = """\
 The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is Madrid.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -10,10 +11,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from lora_guard import LLM, SamplingParams
-from lora_guard.adapter_maker import make_adapters
-from lora_guard.metrics import MetricsPlugin, SlidingRatio, metrics_of
+from lora_guard.metrics import METRICS, Metric, MetricsPlugin, metrics_of
 from lora_guard.plugins import Reject, hookimpl
 from lora_guard.plugins.state import EngineState, RequestView
+from lora_guard.testing import AdapterFactory
 
 PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True)
 LONG_PROMPT = (
@@ -23,10 +24,8 @@ LONG_PROMPT = (
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("metrics-adapters")
-    folders = make_adapters(tiny_model, out, n=3, ranks=(4,), strength=0.5, prefix="m")
-    return {f.name: f for f in folders}
+def adapters(tiny_adapters: AdapterFactory) -> dict[str, Path]:
+    return tiny_adapters(n=3, prefix="m", strength=0.5)
 
 
 def _llm(
@@ -184,18 +183,20 @@ def test_the_window_option_is_declared_and_applied(
     assert _metrics(llm).cold_window.window_s == 5.0
 
 
-def test_the_sliding_ratio_forgets_old_events() -> None:
-    now = [0.0]
-    ratio = SlidingRatio(10.0, clock=lambda: now[0])
-    assert ratio.value() == 0.0
-    ratio.add(True)
-    now[0] = 5.0
-    ratio.add(False)
-    assert ratio.value() == 0.5
-    now[0] = 12.0
-    assert ratio.value() == 0.0  # the True event left the window
-    now[0] = 16.0
-    assert ratio.value() == 0.0  # nothing left: 0, never NaN
+def test_a_pin_made_at_run_time_shows_in_the_label_from_the_next_step(
+    tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    a, b, _ = sorted(adapters)
+    llm = _llm(tiny_model, adapters, settings={"pin": [a]})
+    _generate(llm, [a, b])
+    llm.engine.adapters.usage.unpin(a)  # what the admin route calls, on the engine thread
+    llm.engine.adapters.usage.pin(b)
+    _generate(llm, [b])
+    pinned = {
+        r["adapter_id"]: r["pinned"]
+        for r in _labelsets(_samples(llm), "lora_guard_adapter_resident")
+    }
+    assert pinned == {a: "false", b: "true"}
 
 
 class _KeepOrder:
@@ -215,3 +216,32 @@ def test_gauges_are_fresh_after_a_batch_with_a_deciding_plugin(
     s = _samples(llm)
     assert _value(s, "vllm:num_requests_running") == 0
     assert _value(s, "lora_guard_memory_watermark") == 0
+
+
+def _exposed(metric: Metric) -> str:
+    """The name a metric shows under: prometheus_client gives every counter a _total suffix."""
+    return (
+        metric.name.removesuffix("_total") + "_total" if metric.kind == "counter" else metric.name
+    )
+
+
+def _documented_metrics() -> dict[str, tuple[str, str]]:
+    """``docs/metrics.md``'s table rows: exposed name -> (type, labels column)."""
+    docs = (Path(__file__).parents[1] / "docs" / "metrics.md").read_text()
+    rows = (re.match(r"\| `([^`]+)` \| (\w+) \|([^|]*)\|", line) for line in docs.splitlines())
+    return {m[1]: (m[2], m[3].strip()) for m in rows if m}
+
+
+def test_every_declared_metric_has_a_docs_row_of_its_kind_and_labels() -> None:
+    documented = _documented_metrics()
+    for metric in METRICS:
+        name = _exposed(metric)
+        assert name in documented, f"{name} has no row in docs/metrics.md"
+        kind, labels = documented[name]
+        assert kind == metric.kind, f"{name}: docs say {kind}, declared {metric.kind}"
+        assert all(f"`{label}`" in labels for label in metric.labels), f"{name}: labels"
+        assert bool(labels) == bool(metric.labels), f"{name}: labels"
+    assert set(documented) == {_exposed(m) for m in METRICS}, "rows for undeclared metrics"
+    text = MetricsPlugin().render().decode()  # the exposition is the table
+    for metric in METRICS:
+        assert f"# HELP {_exposed(metric)} {metric.help}\n" in text

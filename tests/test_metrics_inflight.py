@@ -4,23 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lora_guard import LLM, SamplingParams
-from lora_guard.adapter_maker import make_adapters
 from lora_guard.metrics import metrics_of
-
-
-@pytest.fixture(scope="module")
-def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("inflight-adapters")
-    return {f.name: f for f in make_adapters(tiny_model, out, n=2, ranks=(4,), prefix="w")}
+from lora_guard.testing import AdapterFactory
 
 
 def test_running_and_waiting_adapters_are_listed(
-    tiny_model: Path, adapters: dict[str, Path]
+    tiny_model: Path, tiny_adapters: AdapterFactory
 ) -> None:
+    adapters = tiny_adapters(n=2, prefix="w")
     llm = LLM(tiny_model, adapters=adapters, kv_cache_memory="4MiB", max_num_seqs=1,
               policies="lru")  # fmt: skip
     engine = llm.engine

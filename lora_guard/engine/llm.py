@@ -15,6 +15,7 @@ from lora_guard.engine.config import ConfigError, EngineConfig
 from lora_guard.engine.llm_engine import LLMEngine, RequestOutput
 from lora_guard.engine.sampling import SamplingParams
 from lora_guard.plugins.manager import Hooks, make_plugin_manager, parse_policies
+from lora_guard.plugins.options import id_list
 
 _IDLE_WAIT_S = 0.001
 
@@ -172,10 +173,9 @@ def build_engine(
     )
     hooks.configure({**asdict(engine_config), **settings})
     engine = LLMEngine(engine_config, adapters=adapters, adapter_dir=adapter_dir, hooks=hooks)
-    pinned = settings.get("pin") or ()
-    if isinstance(pinned, str):
-        pinned = [p.strip() for p in pinned.split(",") if p.strip()]
-    engine.adapters.pinned = frozenset(pinned)
+    usage = engine.adapters.usage  # the engine keeps the pins and the heat
+    usage.arrivals.window_s = float(settings.get("heat_window_s", usage.arrivals.window_s))
+    usage.pin(*id_list(settings.get("pin")))
     return engine
 
 

@@ -25,8 +25,6 @@ from lora_guard.plugins.decisions import Defer, Load, Reject
 from lora_guard.plugins.manager import Hooks
 from lora_guard.plugins.state import EngineState, SlotView
 
-WINDOW_S = 60.0  # of the heat and cold-load counts in the state view
-
 # Sets a sequence's prefix-cache namespace and scope once its adapter's weights are known.
 CacheBinder = Callable[[Sequence, str | None], None]
 
@@ -79,16 +77,13 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions = 0
         self._state: EngineState | None = None
-        self._arrivals: deque[tuple[float, str]] = deque()  # (time, adapter id), for the heat
-        self._heat: Counter[str] = Counter()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
         if seq.adapter_id is not None:
-            self._arrivals.append((time.monotonic(), seq.adapter_id))
+            self.adapters.usage.arrived(seq.tenant_id, seq.adapter_id)
             if self.adapters.reread_if_changed(seq.adapter_id):
                 self._state = None
-            self._heat[seq.adapter_id] += 1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -96,9 +91,7 @@ class Scheduler:
     def state(self, *, fresh: bool = False) -> EngineState:
         """A read-only view of the engine for the hooks, taken once per scheduling pass."""
         if self._state is None or fresh:
-            adapters, now = self.adapters, time.monotonic()
-            while self._arrivals and self._arrivals[0][0] <= now - WINDOW_S:
-                self._heat[self._arrivals.popleft()[1]] -= 1
+            adapters, usage, now = self.adapters, self.adapters.usage, time.monotonic()
             running = Counter(s.adapter_id for s in self.running if s.adapter_id)
             blocks = self.blocks
             self._state = EngineState(
@@ -134,8 +127,11 @@ class Scheduler:
                 registered=frozenset(adapters.registry.entries),
                 waiting_adapters=tuple(s.adapter_id for s in self.waiting if s.adapter_id),
                 running_adapters=tuple(s.adapter_id for s in self.running if s.adapter_id),
-                heat=MappingProxyType({a: n for a, n in self._heat.items() if n > 0}),
-                cold_loads_in_window=adapters.cold_loads_since(now - WINDOW_S),
+                heat=MappingProxyType(usage.heat(now)),
+                tenant_heat=MappingProxyType(usage.tenant_heat(now)),
+                pinned=frozenset(usage.pinned),
+                cold_loads_in_window=usage.disk_reads.total(now),
+                evicting_loads=usage.evicting_loads.times(now),
                 num_preemptions=self.num_preemptions,
             )
         return self._state
@@ -240,10 +236,11 @@ class Scheduler:
         tier = self.adapters.tier(seq.adapter_id)
         self._note_lookup(seq, tier)
         seat = None
+        evicts = tier is Lookup.WARM and self.adapters.needs_eviction(seq.adapter_id)
         if tier in (Lookup.WARM, Lookup.COLD) and self.hooks.has("lora_guard_adapter_load"):
             decision = self.hooks.adapter_load(
                 request=seq.view(), tier=tier.value, state=self.state(), parked=parked,
-                evicts=tier is Lookup.WARM and self.adapters.needs_eviction(seq.adapter_id),
+                evicts=evicts,
             )  # fmt: skip
             if isinstance(decision, Defer):
                 return
@@ -257,6 +254,8 @@ class Scheduler:
             return
         if self.adapters.acquire(seq.adapter_id, seat, self.running) is not None:
             self._state = None  # the pool changed
+            if evicts and not parked:
+                self.adapters.usage.evicting_loads.add(seq.adapter_id)
 
     def _note_lookup(self, seq: Sequence, tier: Lookup) -> None:
         if seq.adapter_looked_up or tier is Lookup.LOADING:
@@ -392,8 +391,10 @@ class Scheduler:
     def _bind_merged(self, seq: Sequence) -> tuple[bool, str | None]:
         """Merged mode: bind ``seq`` to the merged weights for its whole life; False means wait.
         Returns the weights' content hash (None for the base model)."""
+        evicts = False
         if seq.adapter_id is not None:
             tier = self.adapters.tier(seq.adapter_id)
+            evicts = tier is Lookup.WARM and self.adapters.merged is not None
             if tier in (Lookup.WARM, Lookup.COLD) and self.hooks.has("lora_guard_adapter_load"):
                 decision = self.hooks.adapter_load(
                     request=seq.view(), tier=tier.value, state=self.state(), parked=False,
@@ -410,6 +411,8 @@ class Scheduler:
         if binding is None:
             return False, None
         self._state = None
+        if evicts and seq.adapter_id is not None:
+            self.adapters.usage.evicting_loads.add(seq.adapter_id)
         seq.holds_merged = True
         return True, binding.content_hash
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,3 +30,11 @@ class OptionRegistry:
 
     def defaults(self) -> dict[str, Any]:
         return {o.name: o.default for o in self.options.values()}
+
+
+def id_list(value: Any) -> tuple[str, ...]:
+    """Adapter ids from a setting: a list, or a comma-separated string."""
+    if not value:
+        return ()
+    items: Iterable[Any] = value.split(",") if isinstance(value, str) else value
+    return tuple(s for s in (str(v).strip() for v in items) if s)

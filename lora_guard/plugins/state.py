@@ -50,8 +50,14 @@ class EngineState:
     :param registered: every adapter id the engine knows.
     :param waiting_adapters: adapter ids of the waiting requests (with repeats).
     :param running_adapters: adapter ids of the running requests (with repeats).
-    :param heat: requests per adapter that arrived in the last 60 s.
+    :param heat: requests per adapter that arrived in the heat window (``heat_window_s``,
+        default 60 s).
+    :param tenant_heat: the same per ``(tenant_id, adapter_id)``.
+    :param pinned: adapters the engine keeps resident once loaded (``pin``, or the admin route).
     :param cold_loads_in_window: adapter reads from disk started in the last 60 s.
+    :param evicting_loads: when each load of the last 60 s that evicted an adapter requests
+        still needed happened (``time.monotonic()``, oldest first), counting loads for requests
+        not yet running (a parked request's reload is paced by the residency quantum).
     :param num_preemptions: running requests preempted (KV pool full) since the engine started.
     :param kv_share: share of the cache pool held by KV blocks in use, 0 to 1.
     :param pool_bytes: the cache pool's bytes by kind: ``kv`` (blocks in use), ``adapter``
@@ -73,7 +79,10 @@ class EngineState:
     waiting_adapters: tuple[str, ...] = ()
     running_adapters: tuple[str, ...] = ()
     heat: Mapping[str, int] = field(default_factory=dict)
+    tenant_heat: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    pinned: frozenset[str] = frozenset()
     cold_loads_in_window: int = 0
+    evicting_loads: tuple[float, ...] = ()
     num_preemptions: int = 0
     kv_share: float = 0.0
     pool_bytes: Mapping[str, int] = field(default_factory=dict)

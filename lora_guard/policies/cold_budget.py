@@ -9,11 +9,15 @@ place in the queue counted). A running request whose adapter left the pool (park
 held here: the engine's residency quantum paces those. Above ``high_watermark`` (share of the
 cache pool in use) new reads from disk wait; evicting loads wait while the KV blocks in use hold
 more than ``low_watermark`` of the pool.
+
+The engine keeps the window of evicting loads (``EngineState.evicting_loads``); this policy reads
+it and decides.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 from lora_guard.plugins import Defer, Reject, hookimpl
@@ -21,7 +25,7 @@ from lora_guard.plugins.decisions import AdapterDecision
 from lora_guard.plugins.options import OptionRegistry
 from lora_guard.plugins.state import EngineState, RequestView
 
-WINDOW_S = 60.0
+WINDOW_S = 60.0  # the budget is per minute: the span of EngineState.evicting_loads
 MIN_RETRY_AFTER_S = 0.05
 
 
@@ -31,9 +35,7 @@ class ColdLoadBudget:
         self.low_watermark = 0.82
         self.high_watermark = 0.95
         self.queue_timeout_s = 10.0
-        self.loads: deque[float] = deque()  # times of the evicting loads in the window
         self.queue: OrderedDict[str, float] = OrderedDict()  # request id -> when it queued
-        self.granted: dict[str, float] = {}  # adapter id -> when an evicting load was allowed
 
     @hookimpl
     def lora_guard_add_options(self, options: OptionRegistry) -> None:
@@ -67,17 +69,17 @@ class ColdLoadBudget:
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ValueError("watermarks must satisfy 0 < low_watermark <= high_watermark <= 1")
 
-    def retry_after(self, now: float, place: int = 0) -> float:
-        """Seconds until the window has room for the load at ``place`` in the queue (0: next)."""
-        self._forget(now)
-        if len(self.loads) + place < self.per_minute:
+    def retry_after(self, loads: Sequence[float], now: float, place: int = 0) -> float:
+        """Seconds until the window of ``loads`` (their times, oldest first) has room for the
+        load at ``place`` in the queue (0: next)."""
+        if len(loads) + place < self.per_minute:
             return 0.0
         # The load ``place`` after the next one can go once that many more loads have left.
-        index = len(self.loads) + place - self.per_minute
-        if index < len(self.loads):
-            return max(self.loads[index] + WINDOW_S - now, MIN_RETRY_AFTER_S)
+        index = len(loads) + place - self.per_minute
+        if index < len(loads):
+            return max(loads[index] + WINDOW_S - now, MIN_RETRY_AFTER_S)
         rounds, rest = divmod(index, self.per_minute)
-        return max(self.loads[rest] + WINDOW_S * (rounds + 1) - now, MIN_RETRY_AFTER_S)
+        return max(loads[rest] + WINDOW_S * (rounds + 1) - now, MIN_RETRY_AFTER_S)
 
     @hookimpl(tryfirst=True)
     def lora_guard_adapter_load(
@@ -97,11 +99,10 @@ class ColdLoadBudget:
         now = state.now
         queued_at = self.queue.setdefault(request.request_id, now)
         place = list(self.queue).index(request.request_id)
-        wait = self.retry_after(now, place)
+        wait = self.retry_after(state.evicting_loads, now, place)
         if wait == 0:
             del self.queue[request.request_id]
-            self.granted[request.adapter_id or ""] = now  # counted once it loads
-            return None
+            return None  # the engine counts the load once it is made
         if now - queued_at >= self.queue_timeout_s:
             del self.queue[request.request_id]
             return Reject(
@@ -112,15 +113,5 @@ class ColdLoadBudget:
         return Defer("cold-load budget spent: waiting in order")
 
     @hookimpl
-    def lora_guard_adapter_loaded(self, adapter_id: str) -> None:
-        granted = self.granted.pop(adapter_id, None)
-        if granted is not None:
-            self.loads.append(granted)
-
-    @hookimpl
     def lora_guard_request_finished(self, request: RequestView) -> None:
         self.queue.pop(request.request_id, None)
-
-    def _forget(self, now: float) -> None:
-        while self.loads and self.loads[0] <= now - WINDOW_S:
-            self.loads.popleft()

@@ -11,39 +11,28 @@ waited ``max_wait_steps``, or a running one whose adapter left the pool (parked)
 any adapter that is not pinned, so none waits for a seat forever. Batch form offers requests
 whose adapter is resident first, caps the distinct adapters per step (``max_loras_per_batch``),
 and puts aged requests ahead of all others.
+
+The engine keeps the heat and the pins (``EngineState.heat``, ``tenant_heat``, ``pinned``); this
+policy reads them and decides.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
 from collections.abc import Sequence
 from typing import Any
 
 from lora_guard.plugins import Defer, Load, hookimpl
 from lora_guard.plugins.decisions import AdapterDecision
-from lora_guard.plugins.options import OptionRegistry
+from lora_guard.plugins.options import OptionRegistry, id_list
 from lora_guard.plugins.state import EngineState, RequestView
-
-
-def _id_list(value: Any) -> tuple[str, ...]:
-    if not value:
-        return ()
-    if isinstance(value, str):
-        value = value.split(",")
-    return tuple(v.strip() for v in value if v.strip())
 
 
 class HotSetPolicy:
     def __init__(self) -> None:
         self.hot_set_size = 4
-        self.pinned: tuple[str, ...] = ()
         self.max_loras_per_batch = 0
         self.max_wait_steps = 16
-        self.window_s = 60.0
-        self.events: deque[tuple[float, str, str]] = deque()  # (time, tenant, adapter)
-        self.heat: Counter[str] = Counter()
-        self.tenant_heat: Counter[tuple[str, str]] = Counter()
 
     @hookimpl
     def lora_guard_add_options(self, options: OptionRegistry) -> None:
@@ -51,7 +40,8 @@ class HotSetPolicy:
             "hot_set_size", int, None,
             "adapters kept resident by heat, besides pinned ones (default: slots - 1)",
         )  # fmt: skip
-        options.add("pin", _id_list, (), "adapter ids kept resident once loaded, never evicted")
+        # pin and heat_window_s are read by the engine, which keeps the pins and the heat
+        options.add("pin", id_list, (), "adapter ids kept resident once loaded, never evicted")
         options.add(
             "max_loras_per_batch",
             int,
@@ -68,56 +58,15 @@ class HotSetPolicy:
         slots = int(config.get("max_loras", 8))
         size = config.get("hot_set_size")
         self.hot_set_size = max(slots - 1, 0) if size is None else int(size)
-        self.pinned = _id_list(config.get("pin"))
         self.max_loras_per_batch = int(config.get("max_loras_per_batch", 0))
         self.max_wait_steps = int(config.get("max_wait_steps", 16))
-        self.window_s = float(config.get("heat_window_s", 60.0))
-        if self.pinned and len(self.pinned) >= slots:
-            raise ValueError(
-                f"{len(self.pinned)} pinned adapters in {slots} slots leave no slot for the others"
-            )
         if self.hot_set_size < 0 or self.max_loras_per_batch < 0 or self.max_wait_steps < 1:
             raise ValueError("hot_set_size and max_loras_per_batch must be >= 0, "
                              "max_wait_steps >= 1")  # fmt: skip
 
-    # administration (called on the engine's loop thread)
-    def pin(self, adapter_id: str, slots: int) -> None:
-        if adapter_id in self.pinned:
-            return
-        if len(self.pinned) + 1 >= slots:
-            raise ValueError(f"pinning {adapter_id!r} would leave no slot for the other adapters")
-        self.pinned = (*self.pinned, adapter_id)
-
-    def unpin(self, adapter_id: str) -> None:
-        self.pinned = tuple(a for a in self.pinned if a != adapter_id)
-
-    # heat
-    @hookimpl
-    def lora_guard_adapter_lookup(self, request: RequestView, result: str) -> None:
-        if request.adapter_id is None:
-            return
-        self.events.append((request.arrival_time, request.tenant_id, request.adapter_id))
-        self.heat[request.adapter_id] += 1
-        self.tenant_heat[request.tenant_id, request.adapter_id] += 1
-
-    def _cool(self, now: float) -> None:
-        while self.events and self.events[0][0] <= now - self.window_s:
-            _, tenant, adapter = self.events.popleft()
-            self.heat[adapter] -= 1
-            self.tenant_heat[tenant, adapter] -= 1
-
-    def hot_set(self, now: float) -> set[str]:
-        self._cool(now)
-        hottest = [a for a, n in self.heat.most_common() if n > 0][: self.hot_set_size]
-        return set(self.pinned) | set(hottest)
-
-    def owner(self, adapter: str) -> str | None:
-        """The tenant that sends an adapter most of its traffic."""
-        best = max(
-            ((n, t) for (t, a), n in self.tenant_heat.items() if a == adapter and n > 0),
-            default=None,
-        )
-        return best[1] if best else None
+    def hot_set(self, state: EngineState) -> set[str]:
+        hottest = sorted(state.heat, key=lambda a: -state.heat[a])[: self.hot_set_size]
+        return set(state.pinned) | set(hottest)
 
     # adapter load
     @hookimpl
@@ -128,23 +77,24 @@ class HotSetPolicy:
             return None  # reading into host memory needs no seat
         if state.free_slots:
             return Load(state.free_slots[0])
-        hot = self.hot_set(state.now)
+        hot = self.hot_set(state)
         aged = parked or request.waited_steps >= self.max_wait_steps
-        idle = [v for v in state.slots if v.evictable and v.adapter_id not in self.pinned]
+        idle = [v for v in state.slots if v.evictable and v.adapter_id not in state.pinned]
         candidates = [v for v in idle if v.adapter_id not in hot]
         if not candidates and (request.adapter_id in hot or aged):
             candidates = idle  # a hot adapter, or one waited on too long, may displace a hot one
         if not aged:
-            tenants = {t for (t, _), n in self.tenant_heat.items() if n > 0}
+            tenants = {t for t, _ in state.tenant_heat}
             fair_share = math.ceil(len(state.slots) / max(len(tenants), 1))
-            owners = {v.slot: self.owner(v.adapter_id) for v in state.slots if v.adapter_id}
+            owners = {v.slot: _owner(state, v.adapter_id) for v in state.slots if v.adapter_id}
             if sum(1 for o in owners.values() if o == request.tenant_id) >= fair_share:
                 candidates = [
                     v for v in candidates if owners.get(v.slot) in (request.tenant_id, None)
                 ]
         if not candidates:
             return Defer("no slot may be evicted for this adapter now")
-        victim = min(candidates, key=lambda v: (self.heat[v.adapter_id or ""], v.last_used))
+        heat = state.heat
+        victim = min(candidates, key=lambda v: (heat.get(v.adapter_id or "", 0), v.last_used))
         return Load(victim.slot)
 
     # batch form
@@ -160,8 +110,8 @@ class HotSetPolicy:
             if r not in aged and (r.adapter_id is None or r.adapter_id in resident)
         ]
         rest = [r for r in waiting if r not in aged and r not in ready]
-        hot = self.hot_set(state.now)
-        rest.sort(key=lambda r: (r.adapter_id not in hot, -self.heat[r.adapter_id or ""]))
+        hot = self.hot_set(state)
+        rest.sort(key=lambda r: (r.adapter_id not in hot, -state.heat.get(r.adapter_id or "", 0)))
         cap = self.max_loras_per_batch or len(state.slots)
         adapters = {r.adapter_id for r in running if r.adapter_id is not None}
         chosen = []
@@ -172,3 +122,9 @@ class HotSetPolicy:
                 adapters.add(r.adapter_id)
             chosen.append(r.request_id)
         return chosen
+
+
+def _owner(state: EngineState, adapter: str) -> str | None:
+    """The tenant that sends an adapter most of its traffic."""
+    best = max(((n, t) for (t, a), n in state.tenant_heat.items() if a == adapter), default=None)
+    return best[1] if best else None

@@ -72,8 +72,6 @@ async def list_adapters(request: Request) -> list[dict[str, Any]]:
     def snapshot(engine: LLMEngine) -> list[dict[str, Any]]:
         adapters = engine.adapters
         view = engine.scheduler.state(fresh=True)
-        hot_set = engine.hooks.pm.get_plugin("hot-set")
-        pinned = set(getattr(hot_set, "pinned", ()))
         rows = []
         for adapter_id, entry in sorted(adapters.registry.entries.items()):
             path = entry.path
@@ -82,7 +80,7 @@ async def list_adapters(request: Request) -> list[dict[str, Any]]:
             rows.append({
                 "id": adapter_id,
                 "tier": {"hot": "device", "warm": "host", "cold": "disk"}.get(tier, tier),
-                "pinned": adapter_id in pinned,
+                "pinned": adapter_id in view.pinned,
                 "rank": host.rank if host else _config_rank(path),
                 "bytes": host.nbytes if host else _weights_bytes(path),
                 "heat": view.heat.get(adapter_id, 0),
@@ -148,18 +146,12 @@ async def _pinning(request: Request, adapter_id: str, *, pin: bool) -> dict[str,
         raise not_found(f"adapter {name!r} is not known")
 
     def change(engine: LLMEngine) -> list[str]:
-        policy = engine.hooks.pm.get_plugin("hot-set")
-        if policy is None:
-            raise ValueError("pinning needs the hot-set policy")
+        usage = engine.adapters.usage  # the engine's pins: the policies and metrics read them
         if pin:
-            policy.pin(name, engine.config.max_loras)
+            usage.pin(name)
         else:
-            policy.unpin(name)
-        metrics = engine.hooks.pm.get_plugin("metrics")
-        if metrics is not None:
-            metrics.set_pinned(policy.pinned)
-        engine.adapters.pinned = frozenset(policy.pinned)
-        return list(policy.pinned)
+            usage.unpin(name)
+        return list(usage.pinned)
 
     try:
         pinned = await state.engine.call(change)

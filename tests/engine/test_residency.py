@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,30 +16,19 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from lora_guard import LLM, SamplingParams
-from lora_guard.adapter_maker import make_adapters
 from lora_guard.engine.llm_engine import LLMEngine, RequestOutput
 from lora_guard.engine.lora import read_adapter
 from lora_guard.engine.lora.compute import LoraBatch, LoraSegment
 from lora_guard.plugins import hookimpl
-from lora_guard.testing import SoloGreedy
+from lora_guard.testing import AdapterFactory
 
 NUM_ADAPTERS = 7
 PAGE_BYTES = 2 * 2 * 4 * 2 * 16 * 4  # layers * k/v * block tokens * kv heads * head dim * fp32
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("residency-adapters")
-    folders = make_adapters(tiny_model, out, n=NUM_ADAPTERS, ranks=(2, 4, 8), prefix="r")
-    return {f.name: f for f in folders}
-
-
-@pytest.fixture(scope="module")
-def solo(tiny_model: Path, adapters: dict[str, Path]) -> Iterator[SoloGreedy]:
-    """Greedy tokens of one request run alone, without prefix caching (memoised)."""
-    runner = SoloGreedy(tiny_model, adapters)
-    yield runner
-    runner.close()
+def adapters(tiny_adapters: AdapterFactory) -> dict[str, Path]:
+    return tiny_adapters(n=NUM_ADAPTERS, prefix="r", ranks=(2, 4, 8))
 
 
 class Evictions:

@@ -6,22 +6,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import pytest
-
 from lora_guard import LLM, SamplingParams
-from lora_guard.adapter_maker import make_adapters
 from lora_guard.engine.llm_engine import RequestOutput
-
-
-@pytest.fixture(scope="module")
-def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("queue-adapters")
-    return {f.name: f for f in make_adapters(tiny_model, out, n=6, ranks=(4,), prefix="q")}
+from lora_guard.testing import AdapterFactory
 
 
 def test_over_the_budget_requests_queue_in_order_then_get_a_true_retry_after(
-    tiny_model: Path, adapters: dict[str, Path]
+    tiny_model: Path, tiny_adapters: AdapterFactory
 ) -> None:
+    adapters = tiny_adapters(n=6, prefix="q")
     # Two seats, one thrashing load a minute, a queue of 0.3 s: of six long requests on six
     # adapters, two load into free seats, one evicts an adapter still in use (the budget), and
     # the three others wait in the queue, then are told to come back when the window has room.

@@ -8,7 +8,7 @@ wrapper hooks, and checks the invariants.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,12 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lora_guard import LLM, SamplingParams
-from lora_guard.adapter_maker import make_adapters
 from lora_guard.engine.llm_engine import RequestOutput
 from lora_guard.plugins import Load, hookimpl
 from lora_guard.plugins.decisions import AdapterDecision
 from lora_guard.plugins.state import EngineState, RequestView
-from lora_guard.testing import SoloGreedy
+from lora_guard.testing import AdapterFactory
 
 NUM_ADAPTERS = 6
 MAX_STEPS = 3000
@@ -62,18 +61,8 @@ class Recorder:
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("invariant-adapters")
-    folders = make_adapters(tiny_model, out, n=NUM_ADAPTERS, ranks=(2, 4, 8), prefix="p")
-    return {f.name: f for f in folders}
-
-
-@pytest.fixture(scope="module")
-def solo(tiny_model: Path, adapters: dict[str, Path]) -> Iterator[SoloGreedy]:
-    """Greedy tokens of one request run alone, without prefix caching (memoised)."""
-    runner = SoloGreedy(tiny_model, adapters)
-    yield runner
-    runner.close()
+def adapters(tiny_adapters: AdapterFactory) -> dict[str, Path]:
+    return tiny_adapters(n=NUM_ADAPTERS, prefix="p", ranks=(2, 4, 8))
 
 
 request = st.tuples(

@@ -1,4 +1,4 @@
-"""What hooks see: the read-only state view carries slots, heat, cold loads and the queue."""
+"""What hooks see: the read-only state view carries slots, heat, pins, cold loads and the queue."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from lora_guard import LLM, SamplingParams
-from lora_guard.adapter_maker import make_adapters
 from lora_guard.plugins import hookimpl
 from lora_guard.plugins.state import EngineState
+from lora_guard.testing import AdapterFactory
 
 
 class LastState:
@@ -21,16 +21,12 @@ class LastState:
         self.states.append(state)
 
 
-@pytest.fixture(scope="module")
-def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("state-adapters")
-    return {f.name: f for f in make_adapters(tiny_model, out, n=3, ranks=(4,), prefix="s")}
-
-
 def test_state_view_reports_heat_cold_loads_and_slots(
-    tiny_model: Path, adapters: dict[str, Path]
+    tiny_model: Path, tiny_adapters: AdapterFactory
 ) -> None:
-    llm = LLM(tiny_model, adapters=adapters, kv_cache_memory="4MiB", max_loras=2, policies="lru")
+    adapters = tiny_adapters(n=3, prefix="s")
+    llm = LLM(tiny_model, adapters=adapters, kv_cache_memory="4MiB", max_loras=3, policies="lru")
+    llm.engine.adapters.usage.pin("s-01")  # what the admin route calls
     seen = LastState()
     llm.engine.hooks.pm.register(seen)
     ids = ["s-00", "s-00", "s-01", None, "s-00"]
@@ -38,8 +34,12 @@ def test_state_view_reports_heat_cold_loads_and_slots(
 
     last = seen.states[-1]
     assert dict(last.heat) == {"s-00": 3, "s-01": 1}
+    assert dict(last.tenant_heat) == {("default", "s-00"): 3, ("default", "s-01"): 1}
+    assert last.pinned == {"s-01"}
     assert last.cold_loads_in_window == 2  # s-00 and s-01, each read once
-    assert len(last.slots) == 2 and {v.adapter_id for v in last.slots} == {"s-00", "s-01"}
+    assert last.evicting_loads == ()  # both went into free seats
+    assert len(last.slots) == 3 and {v.adapter_id for v in last.slots} == {"s-00", "s-01", None}
+    assert [v.evictable for v in last.slots if v.adapter_id == "s-01"] == [False]
     assert last.num_running == last.num_waiting == 0 and last.kv_share == 0
     assert last.memory_watermark == last.pool_bytes["adapter"] / sum(last.pool_bytes.values())
     assert any(s.num_running > 0 and s.memory_watermark > 0 for s in seen.states)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +31,7 @@ from lora_guard.engine.lora.loader import AdapterLoader, HostCache
 from lora_guard.engine.lora.pool import AdapterLayout, CachePool, LayerWeights
 from lora_guard.engine.lora.registry import AdapterRegistry
 from lora_guard.engine.sequence import Sequence
+from lora_guard.engine.usage import AdapterUsage
 from lora_guard.plugins.manager import Hooks
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class ResidencyManager:
         self.registry, self.events, self.merge = registry, events, merge
         self.quantum_s = quantum_s
         self.seats: list[Resident | None] = [None] * (0 if merge else max_loras)
-        self.pinned: frozenset[str] = frozenset()
+        self.usage = AdapterUsage(max_loras)  # pins, heat and recent loads
         self.top = 0  # pages [0, top) hold adapters
         self.stats = AdapterStats()
         self.demand: Counter[str] = Counter()  # requests (running or waiting) per adapter
@@ -109,7 +110,6 @@ class ResidencyManager:
         self._load_started: dict[str, float] = {}  # disk reads under way: perf_counter at start
         self._read_ms: dict[str, float] = {}  # read from disk, not yet resident: the read's ms
         self._stamps: dict[str, tuple[int, ...] | None] = {}  # files as last read (files_stamp)
-        self._disk_reads: deque[float] = deque()  # monotonic start times, last 10 minutes
 
     @property
     def merged_mode(self) -> bool:
@@ -229,7 +229,7 @@ class ResidencyManager:
         """Whether ``entry`` may leave the pool now: not pinned, not used by the step being
         formed, not the old weights of running requests, and either no request needs it or it
         has been resident for its quantum."""
-        if entry.in_step or (entry.adapter_id in self.pinned and not entry.stale):
+        if entry.in_step or (entry.adapter_id in self.usage.pinned and not entry.stale):
             return False
         if entry.stale:
             return self.bound[entry.adapter_id, entry.content_hash] == 0
@@ -323,7 +323,7 @@ class ResidencyManager:
             for e in self.residents()
             if e is not keep
             and not e.in_step
-            and e.adapter_id not in self.pinned
+            and e.adapter_id not in self.usage.pinned
             and not (e.stale and self.bound[e.adapter_id, e.content_hash])
         ]
         if not candidates:
@@ -354,16 +354,10 @@ class ResidencyManager:
     # disk
     def _read_from_disk(self, adapter_id: str) -> None:
         self._load_started[adapter_id] = time.perf_counter()
-        self._disk_reads.append(time.monotonic())
-        while self._disk_reads and self._disk_reads[0] < self._disk_reads[-1] - 600:
-            self._disk_reads.popleft()
+        self.usage.disk_reads.add(adapter_id)
         entry = self.registry.get(adapter_id)
         assert entry is not None
         self.loader.submit(adapter_id, entry.path, entry.root)
-
-    def cold_loads_since(self, since: float) -> int:
-        """Adapter reads from disk started after ``since`` (``time.monotonic()``)."""
-        return sum(1 for t in self._disk_reads if t > since)
 
     def poll(self) -> dict[str, AdapterError]:
         """Move finished reads to the host tier; return the adapters whose read failed."""
