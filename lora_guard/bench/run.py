@@ -14,11 +14,11 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from statistics import median_low
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from statistics import median_low
 from typing import Any, TypeVar
 
 import httpx
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print(markdown_table(summaries))
     if len(per_seed) > 1:
         seeds = ", ".join(str(part.seed) for part in bench.parts)
-        print(f"\nmedians over {len(per_seed)} seeds ({seeds}); each figure's spread is in the JSON")
+        print(f"\nmedians over {len(per_seed)} seeds ({seeds}); the JSON has each spread")
     print("\n" + "\n".join(compass_lines(targets, len(per_seed))))
     report = {
         "command": "lora-guard " + " ".join(argv),
