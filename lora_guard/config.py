@@ -24,7 +24,7 @@ import re
 import sys
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, Field, dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -33,6 +33,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10
     import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
 
+from lora_guard.engine.config import ORDERS, Order, at_least, describe, text, user_fields
 from lora_guard.engine.lora.registry import scan_adapter_dir as registry_scan
 from lora_guard.engine.lora.registry import valid_adapter_id
 from lora_guard.plugins.manager import (
@@ -54,13 +55,6 @@ PROG = "lora-guard serve"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
-_DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
-_DTYPES = {
-    "auto": "auto",
-    "float32": "float32", "fp32": "float32", "float": "float32",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "fp16": "float16", "half": "float16",
-}  # fmt: skip
 
 
 class SettingsError(ValueError):
@@ -68,6 +62,7 @@ class SettingsError(ValueError):
 
 
 # -- parsers: one string in, one value out; ValueError says what is wrong ----------------------
+# (the engine's fields bring their own: ``EngineConfig`` checks values with the same ones)
 
 
 def parse_bool(text: str) -> bool:
@@ -80,67 +75,15 @@ def parse_bool(text: str) -> bool:
     raise ValueError("expected true or false (1/0, yes/no, on/off)")
 
 
-def _text(text: str) -> str:
-    value = text.strip()
-    if not value:
-        raise ValueError("must not be empty")
-    return value
+def _path(value: str) -> Path:
+    return Path(text(value))
 
 
-def _path(text: str) -> Path:
-    return Path(_text(text))
-
-
-def _int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text.strip())
-        except ValueError:
-            raise ValueError("expected an integer") from None
-        if value < low:
-            raise ValueError(f"must be at least {low}")
-        return value
-
-    parse.__name__ = f"int_at_least_{low}"
-    return parse
-
-
-def _port(text: str) -> int:
-    value = _int_at_least(0)(text)
-    if value > 65535:
+def _port(value: str) -> int:
+    port = at_least(0)(value)
+    if port > 65535:
         raise ValueError("a port is at most 65535")
-    return value
-
-
-def _power_of_two(text: str) -> int:
-    value = _int_at_least(1)(text)
-    if value & (value - 1):
-        raise ValueError("must be a power of two")
-    return value
-
-
-def _device(text: str) -> str:
-    value = text.strip().lower()
-    if not _DEVICE.fullmatch(value):
-        raise ValueError("expected auto, cpu, cuda, cuda:N or mps")
-    return value
-
-
-def _dtype(text: str) -> str:
-    value = text.strip().lower()
-    if value not in _DTYPES:
-        raise ValueError("expected auto, float32, bfloat16 or float16")
-    return _DTYPES[value]
-
-
-def _choice(*choices: str) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        value = text.strip().lower()
-        if value not in choices:
-            raise ValueError(f"expected one of {', '.join(choices)}")
-        return value
-
-    return parse
+    return port
 
 
 def _policies(text: str) -> tuple[str, ...]:
@@ -151,18 +94,6 @@ def _policies(text: str) -> tuple[str, ...]:
     if not chosen:
         raise ValueError("name at least one policy")
     return chosen
-
-
-def _memory(text: str) -> int:
-    # Plain bytes and plain nonsense are told apart here; sizes with units go to the engine's
-    # parse_memory, which imports torch.
-    if text.strip().isdigit():
-        return _int_at_least(1)(text)
-    if not re.fullmatch(r"\s*\d+(\.\d+)?\s*[a-zA-Z]+\s*", text):
-        raise ValueError(f"cannot read {text!r} as a memory size (try 512MiB or 2GB)")
-    from lora_guard.engine.config import parse_memory  # imports torch: only when asked for
-
-    return parse_memory(text.strip())
 
 
 def _adapter(text: str) -> tuple[str, Path]:
@@ -194,8 +125,8 @@ def _adapters(items: Sequence[tuple[str, Path]]) -> dict[str, Path]:
     return adapters
 
 
-def _plugin_spec(text: str) -> str:
-    value = _text(text)
+def _plugin_spec(spec: str) -> str:
+    value = text(spec)
     if not re.fullmatch(r"[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?", value):
         raise ValueError("expected MODULE[:OBJECT], e.g. my_plugins.quota:QuotaPlugin")
     return value
@@ -215,6 +146,7 @@ class Setting:
     ``parse`` reads one value from a string (one item, for a setting that repeats); ``combine``
     turns the items of a repeated setting into its value. A ``switch`` is a flag without a value
     (``--no-prefix-caching``); its environment variable and file key take true or false.
+    ``engine_field`` is the ``EngineConfig`` field it feeds (``invert``: with the opposite value).
     """
 
     name: str
@@ -227,6 +159,8 @@ class Setting:
     default_text: str | None = None
     group: str = "server"
     combine: Callable[[Sequence[Any]], Any] = _tuple
+    engine_field: str | None = None
+    invert: bool = False
 
     @property
     def flag(self) -> str:
@@ -253,75 +187,65 @@ _GROUPS = {
     "plugins": "policies and plugins",
     "plugin": "plugin settings (declared by the loaded plugins)",
 }
+#: The setting's name of each engine field (``max_model_len`` is ``max_total_tokens``).
+_ENGINE_NAMES = {f.name: f.metadata["flag"] or f.name for f in user_fields()}
 
-SETTINGS: tuple[Setting, ...] = (
+
+def _engine_flag(field_name: str) -> str:
+    return "--" + _ENGINE_NAMES[field_name].replace("_", "-")
+
+
+def _engine_setting(f: Field[Any]) -> Setting:
+    """The setting of a field of ``EngineConfig``; a bool field is a switch that turns it over."""
+    meta = f.metadata
+    words = describe(meta["help"], _engine_flag)
+    shown = describe(meta["shown"], _engine_flag) if meta["shown"] else None
+    common: dict[str, Any] = {"group": meta["group"], "engine_field": f.name}
+    if isinstance(f.default, bool):
+        return Setting(_ENGINE_NAMES[f.name], parse_bool, False,
+                       "do not " + words if f.default else words, switch=True, invert=f.default,
+                       **common)  # fmt: skip
+    default = None if f.default is MISSING else f.default
+    return Setting(_ENGINE_NAMES[f.name], meta["check"], default, words, metavar=meta["metavar"],
+                   default_text=shown, **common)  # fmt: skip
+
+
+_ROWS: tuple[Setting, ...] = (
     Setting("config", _path, None,
             "TOML file of settings, keys as the setting names (max_loras or max-loras); flags and "
             "environment variables override it", metavar="FILE", group="plugins"),
-    Setting("model", _text, None, "Hugging Face checkpoint folder (config.json, *.safetensors, "
-            "tokenizer)", metavar="DIR", default_text="the demo model, prepared if missing",
-            group="model"),
-    Setting("model_id", _text, None, "name of the base model in /info, /v1/models and the "
-            "OpenAI `model` field", metavar="NAME", default_text="from the checkpoint",
-            group="model"),
     Setting("adapter_dir", _path, (), "folder whose subfolders are PEFT adapters, id = folder "
             "name; a later folder's adapter replaces an earlier one of the same id", repeat=True,
             metavar="DIR", group="model"),
-    Setting("adapter", _adapter, {}, "one more adapter, id NAME (letters, digits, - _ .) at "
-            "PATH; replaces one of the same id from --adapter-dir", repeat=True,
-            metavar="NAME=PATH", default_text="none", combine=_adapters, group="model"),
-    Setting("host", _text, "127.0.0.1", "address to listen on", group="server"),
-    Setting("port", _port, 8080, "port to listen on (0: any free port)", group="server"),
-    Setting("max_concurrent_requests", _int_at_least(1), 128, "requests in flight at once; "
-            "more are refused with 429", metavar="N", group="server"),
-    Setting("max_input_tokens", _int_at_least(1), None, "longest prompt accepted, in tokens",
-            metavar="N", default_text="max total tokens - 1", group="server"),
-    Setting("max_total_tokens", _int_at_least(2), None, "longest prompt + generated tokens of "
-            "one request", metavar="N", default_text="the model's context length",
-            group="server"),
-    Setting("max_stop_sequences", _int_at_least(0), 4, "most stop sequences per request",
-            metavar="N", group="server"),
+    Setting("adapter", _adapter, {}, "one more adapter, id NAME (letters, digits, - _ ., not "
+            "only dots) at PATH; replaces one of the same id from --adapter-dir; the same NAME "
+            "twice is an error", repeat=True, metavar="NAME=PATH", default_text="none",
+            combine=_adapters, group="model"),
+    Setting("host", text, "127.0.0.1", "address to listen on"),
+    Setting("port", _port, 8080, "port to listen on (0: any free port)"),
+    Setting("max_concurrent_requests", at_least(1), 128, "requests in flight at once; more are "
+            "refused with 429", metavar="N"),
+    Setting("max_input_tokens", at_least(1), None, "longest prompt accepted, in tokens; less "
+            "than --max-total-tokens", metavar="N", default_text="max total tokens - 1"),
+    Setting("max_stop_sequences", at_least(0), 4, "most stop sequences per request",
+            metavar="N"),
     Setting("api_key_file", _path, None, "TOML file of API keys ([keys.NAME] with key or sha256, "
             "tenant, adapters, admin); without it the tenant comes from X-Tenant-Id",
-            metavar="FILE", group="server"),
-    Setting("device", _device, "auto", "cpu, cuda, cuda:N or auto (cuda when available)",
-            group="engine"),
-    Setting("dtype", _dtype, "auto", "float32, bfloat16, float16 or auto (bfloat16 on cuda, "
-            "float32 on cpu)", group="engine"),
-    Setting("max_loras", _int_at_least(1), 8, "device slots: adapters resident at once",
-            metavar="N", group="engine"),
-    Setting("max_cpu_loras", _int_at_least(1), 32, "adapters kept in host memory (raised to "
-            "--max-loras when left at its default)", metavar="N", group="engine"),
-    Setting("max_lora_rank", _int_at_least(1), 64, "largest adapter rank accepted (adapters "
-            "take pages for their own rank, never this one)", metavar="N", group="engine"),
-    Setting("cache_memory", _memory, None, "size of the one cache pool that KV blocks and "
-            "adapter weights share, bytes or e.g. 512MiB, 2GB", metavar="SIZE",
-            default_text="--kv-cache-memory, else a quarter of free memory", group="engine"),
-    Setting("kv_cache_memory", _memory, None, "the cache pool's size under its former name "
-            "(used when --cache-memory is not given)", metavar="SIZE",
-            default_text="a quarter of free memory", group="engine"),
-    Setting("residency_quantum_ms", _int_at_least(0), 1000, "an adapter that requests still "
-            "need stays in the pool at least this long after its load (no thrash)",
-            metavar="MS", group="engine"),
-    Setting("lora_compute", _choice("loop", "batched"), "loop", "how a step computes the LoRA "
-            "updates: loop (per adapter segment) or batched (one gathered batched matmul per "
-            "projection)", metavar="MODE", group="engine"),
-    Setting("block_size", _power_of_two, 16, "tokens per KV block (a power of two)",
-            metavar="N", group="engine"),
-    Setting("no_prefix_caching", parse_bool, False, "do not reuse KV blocks of shared prefixes",
-            switch=True, group="engine"),
-    Setting("max_batch_tokens", _int_at_least(1), 2048, "tokens per engine step (prefill and "
-            "decode together)", metavar="N", group="engine"),
-    Setting("max_num_seqs", _int_at_least(1), 64, "sequences in the running batch at once",
-            metavar="N", group="engine"),
+            metavar="FILE"),
     Setting("policies", _policies, DEFAULT_POLICIES, "comma list of hot-set, cold-budget, "
-            "kv-namespace, or one baseline: lru, on-demand, static", metavar="LIST",
-            group="plugins"),
+            "kv-namespace, or one baseline: lru, on-demand, static (which needs "
+            "--static-adapter)", metavar="LIST", group="plugins"),
     Setting("plugin", _plugin_spec, (), "load this plugin too", repeat=True,
             metavar="MODULE[:OBJECT]", group="plugins"),
-    Setting("disable_plugin", _text, (), "do not load the plugin of this name (a built-in or an "
-            "entry point)", repeat=True, metavar="NAME", group="plugins"),
+    Setting("disable_plugin", text, (), "do not load the plugin of this name (a built-in such "
+            "as hot-set or metrics, or an entry point)", repeat=True, metavar="NAME",
+            group="plugins"),
 )  # fmt: skip
+_ENGINE_SETTINGS = {f.name: _engine_setting(f) for f in user_fields()}
+#: Every server setting: the engine's fields and the server's own rows, in ``--help`` order.
+SETTINGS: tuple[Setting, ...] = tuple(
+    s for group in _GROUPS for s in (*_ENGINE_SETTINGS.values(), *_ROWS) if s.group == group
+)
 SETTINGS_BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 # Read before the plugins load: they decide which plugin settings exist.
 _PHASE_ONE = ("config", "policies", "plugin", "disable_plugin")
@@ -371,114 +295,59 @@ def all_settings(hooks: Hooks | None) -> dict[str, Setting]:
 # -- the result ------------------------------------------------------------------------------
 
 
+#: Left to the engine, which resolves them (the demo model, auto device and dtype): plugins read
+#: the resolved values from the engine's config.
+_ENGINE_RESOLVES = frozenset({"model", "device", "dtype"})
+
+
 @dataclass(frozen=True)
 class ServeSettings:
-    """Every setting of ``lora-guard serve``, resolved. Plugin options are in ``options``;
-    ``settings[name]`` reads either kind. ``sources[name]`` says where each value came from."""
+    """Every setting of ``lora-guard serve``, resolved: ``values`` by setting name, also read as
+    attributes (``settings.max_loras``). Plugin options are in ``options``; ``settings[name]``
+    reads either kind. ``sources[name]`` says where each value came from."""
 
-    config: Path | None
-    model: str | None
-    model_id: str | None
-    adapter_dir: tuple[Path, ...]
-    adapter: Mapping[str, Path]
-    host: str
-    port: int
-    max_concurrent_requests: int
-    max_input_tokens: int | None
-    max_total_tokens: int | None
-    max_stop_sequences: int
-    api_key_file: Path | None
-    device: str
-    dtype: str
-    max_loras: int
-    max_cpu_loras: int
-    max_lora_rank: int
-    cache_memory: int | None
-    kv_cache_memory: int | None
-    residency_quantum_ms: int
-    lora_compute: str
-    block_size: int
-    no_prefix_caching: bool
-    max_batch_tokens: int
-    max_num_seqs: int
-    policies: tuple[str, ...]
-    plugin: tuple[str, ...]
-    disable_plugin: tuple[str, ...]
+    values: Mapping[str, Any]
     hooks: Hooks = field(repr=False, compare=False)
     options: Mapping[str, Any] = field(default_factory=dict)
     sources: Mapping[str, str] = field(default_factory=dict, repr=False)
 
+    def __getattr__(self, name: str) -> Any:
+        if name in SETTINGS_BY_NAME:
+            return self.values[name]
+        raise AttributeError(name)
+
     def __getitem__(self, name: str) -> Any:
         key = name.replace("-", "_")
         if key in SETTINGS_BY_NAME:
-            return getattr(self, key)
+            return self.values[key]
         if key in self.options:
             return self.options[key]
         raise KeyError(name)
 
-    @property
-    def enable_prefix_caching(self) -> bool:
-        return not self.no_prefix_caching
-
     def engine_kwargs(self) -> dict[str, Any]:
         """Arguments of ``lora_guard.LLM`` (and of ``EngineConfig``, plus ``adapter_dir`` and
-        ``adapters``).
+        ``adapters``): each engine field from its setting.
 
         ``model`` is None when not given: the caller substitutes the demo model. The first
         ``--adapter-dir`` is ``adapter_dir``; the adapters of any further ones are listed in
         ``adapters`` (a later folder wins), then ``--adapter`` entries (which win over all).
-        ``max_model_len`` is ``--max-total-tokens``.
         """
         adapters: dict[str, Path] = {}
         for folder in self.adapter_dir[1:]:
             adapters.update(scan_adapter_dir(folder))
         adapters.update(self.adapter)
-        return {
-            "model": self.model,
-            "model_id": self.model_id,
-            "adapter_dir": self.adapter_dir[0] if self.adapter_dir else None,
-            "adapters": adapters,
-            "max_loras": self.max_loras,
-            "max_cpu_loras": self.max_cpu_loras,
-            "max_lora_rank": self.max_lora_rank,
-            "cache_memory": self.cache_memory,
-            "kv_cache_memory": self.kv_cache_memory,
-            "residency_quantum_ms": self.residency_quantum_ms,
-            "lora_compute": self.lora_compute,
-            "block_size": self.block_size,
-            "enable_prefix_caching": self.enable_prefix_caching,
-            "max_batch_tokens": self.max_batch_tokens,
-            "max_num_seqs": self.max_num_seqs,
-            "max_model_len": self.max_total_tokens,
-            "dtype": self.dtype,
-            "device": self.device,
+        kwargs = {
+            name: not self.values[s.name] if s.invert else self.values[s.name]
+            for name, s in _ENGINE_SETTINGS.items()
         }
+        return {**kwargs, "adapter_dir": self.adapter_dir[0] if self.adapter_dir else None,
+                "adapters": adapters}  # fmt: skip
 
     def plugin_settings(self) -> dict[str, Any]:
-        """The dict for ``Hooks.configure`` (``LLM(settings=...)``): every plugin option, plus the
-        engine's sizes and the server's limits that plugins may read (``max_loras``,
-        ``max_num_seqs``, ...). Device and dtype are left to the engine, which resolves them."""
-        values: dict[str, Any] = {
-            "model_id": self.model_id,
-            "max_loras": self.max_loras,
-            "max_cpu_loras": self.max_cpu_loras,
-            "max_lora_rank": self.max_lora_rank,
-            "cache_memory": self.cache_memory,
-            "kv_cache_memory": self.kv_cache_memory,
-            "residency_quantum_ms": self.residency_quantum_ms,
-            "block_size": self.block_size,
-            "enable_prefix_caching": self.enable_prefix_caching,
-            "max_batch_tokens": self.max_batch_tokens,
-            "max_num_seqs": self.max_num_seqs,
-            "max_model_len": self.max_total_tokens,
-            "policies": self.policies,
-            "max_concurrent_requests": self.max_concurrent_requests,
-            "max_input_tokens": self.max_input_tokens,
-            "max_total_tokens": self.max_total_tokens,
-            "max_stop_sequences": self.max_stop_sequences,
-        }
-        values.update(self.options)
-        return values
+        """The dict for ``Hooks.configure`` (``LLM(settings=...)``): every setting by its name,
+        but those the engine resolves (``model``, ``device``, ``dtype``), and each plugin option."""
+        values = {k: v for k, v in self.values.items() if k not in _ENGINE_RESOLVES}
+        return {**values, **self.options}
 
     def summary(self) -> list[str]:
         """``name = value  (source)`` per setting, for a start-up log."""
@@ -823,31 +692,110 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         else:
             options[name] = value
     _cross_check(values, options, sources)
-    return ServeSettings(**values, options=options, sources=sources, hooks=hooks)
+    return ServeSettings(values, hooks, options, sources)
+
+
+#: The server's own rule between settings, checked again against the model's length at start.
+INPUT_BELOW_TOTAL = Order("max_input_tokens", "max_total_tokens", strict=True)
 
 
 def _cross_check(
     values: dict[str, Any], options: Mapping[str, Any], sources: dict[str, str]
 ) -> None:
-    def fail(message: str, *names: str) -> NoReturn:
-        where = "; ".join(f"{SETTINGS_BY_NAME[n].flag} from {sources[n]}" for n in names)
-        raise SettingsError(f"{message} ({where})")
-
-    if values["max_cpu_loras"] < values["max_loras"]:
-        if sources["max_cpu_loras"] != "the default":
-            fail("--max-cpu-loras must be at least --max-loras", "max_cpu_loras", "max_loras")
-        values["max_cpu_loras"] = values["max_loras"]
-    if values["max_batch_tokens"] < values["block_size"]:
-        fail("--max-batch-tokens must be at least --block-size", "max_batch_tokens", "block_size")
-    total, inputs = values["max_total_tokens"], values["max_input_tokens"]
-    if total is not None and inputs is not None and inputs >= total:
-        fail(
-            "--max-input-tokens must be less than --max-total-tokens",
-            "max_input_tokens",
-            "max_total_tokens",
-        )
+    for order in (*ORDERS, INPUT_BELOW_TOTAL):
+        if not order.settle(values, lambda name: sources[name] == "the default"):
+            names = (order.low, order.high) if order.strict else (order.high, order.low)
+            where = "; ".join(f"{SETTINGS_BY_NAME[n].flag} from {sources[n]}" for n in names)
+            raise SettingsError(f"{order.message(lambda n: SETTINGS_BY_NAME[n].flag)} ({where})")
     if "static" in values["policies"] and not options.get("static_adapter"):
         raise SettingsError(
             "--policies static needs the adapter to serve: --static-adapter ID "
             f"(or {ENV_PREFIX}STATIC_ADAPTER, or static_adapter in the config file)"
         )
+
+
+# -- the docs' tables ------------------------------------------------------------------------
+
+
+def _cell(words: str) -> str:
+    return words.replace("|", "\\|")
+
+
+def settings_markdown() -> str:
+    """The table of the server's settings in docs/config.md."""
+    rows = [
+        "| flag | environment variable | TOML key | default | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for s in SETTINGS:
+        flag = s.flag if s.switch else f"{s.flag} {s.metavar or s.name.upper()}"
+        key = "(not in the file)" if s.name in _NOT_IN_FILE else f"`{s.name}`"
+        plain = s.default_text is not None or s.switch or s.shown_default() == "none"
+        default = s.shown_default() if plain else f"`{s.shown_default()}`"
+        notes = ""
+        if s.repeat:
+            notes += " Repeatable; the variable takes a comma list."
+        if s.switch:
+            notes += " A switch: the flag takes no value; the variable and the key take true/false."
+        if s.engine_field is not None and s.engine_field != s.name:
+            notes += f" Turns the engine's `{s.engine_field}` off." if s.invert else (
+                f" The engine's `{s.engine_field}`.")  # fmt: skip
+        rows.append(f"| `{flag}` | `{s.env}` | {key} | {_cell(default)} | "
+                    f"{_cell(s.help)}.{notes} |")  # fmt: skip
+    return "\n".join(rows) + "\n"
+
+
+def llm_markdown() -> str:
+    """The table of ``LLM(...)``'s engine keywords in docs/engine.md."""
+
+    def keyword(name: str) -> str:
+        return f"`{name}`"
+
+    rows = ["| `LLM(...)` keyword | default | meaning |", "|---|---|---|"]
+    for f in user_fields():
+        if f.default is MISSING:
+            default = "required"
+        elif f.metadata["shown"]:
+            default = describe(f.metadata["shown"], keyword)
+        else:
+            default = f'`"{f.default}"`' if isinstance(f.default, str) else f"`{f.default!r}`"
+        help_text = describe(f.metadata["help"], keyword)
+        rows.append(f"| `{f.name}` | {_cell(default)} | {_cell(help_text)} |")
+    return "\n".join(rows) + "\n"
+
+
+#: docs/NAME: the function that writes its generated table, between these two lines.
+DOCS_TABLES: dict[str, Callable[[], str]] = {"config.md": settings_markdown,
+                                             "engine.md": llm_markdown}  # fmt: skip
+_BEGIN = "<!-- generated by `python -m lora_guard.config --write-docs docs`: edit the fields -->\n"
+_END = "<!-- end of the generated table -->\n"
+
+
+def with_generated_table(name: str, doc: str) -> str:
+    """``doc`` (the text of docs/``name``) with its generated table made anew."""
+    head, begin, rest = doc.partition(_BEGIN)
+    _old, end, tail = rest.partition(_END)
+    if not begin or not end:
+        raise ValueError(f"docs/{name} has no generated table (the lines {_BEGIN!r} ... {_END!r})")
+    return head + _BEGIN + DOCS_TABLES[name]() + _END + tail
+
+
+def _main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lora_guard.config", description="The docs' tables of the settings."
+    )
+    parser.add_argument("--markdown", action="store_true", help="print the settings table")
+    parser.add_argument("--write-docs", metavar="DIR", type=Path,
+                        help="make the tables in DIR/config.md and DIR/engine.md anew")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.markdown:
+        print(settings_markdown(), end="")
+    if args.write_docs is not None:
+        for name in DOCS_TABLES:
+            path = args.write_docs / name
+            path.write_text(with_generated_table(name, path.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

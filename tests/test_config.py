@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import ast
-import dataclasses
 import itertools
 import os
-import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +11,6 @@ import pytest
 
 from lora_guard.config import (
     SETTINGS,
-    SETTINGS_BY_NAME,
     ServeSettings,
     SettingsError,
     build_parser,
@@ -67,12 +62,15 @@ def test_defaults() -> None:
     assert "hot-set" in s.hooks.names()
 
 
-def test_the_table_and_the_dataclass_agree() -> None:
-    fields = {f.name for f in dataclasses.fields(ServeSettings)}
-    assert set(SETTINGS_BY_NAME) == fields - {"options", "sources", "hooks"}
+def test_every_setting_reads_as_an_attribute_and_an_item() -> None:
+    s = load(["--max-loras", "4"])
     for setting in SETTINGS:
+        assert getattr(s, setting.name) is s[setting.name] is s.values[setting.name]
         assert setting.flag == "--" + setting.name.replace("_", "-")
         assert setting.env == "LORA_GUARD_" + setting.name.upper()
+    assert s.max_loras == s["max-loras"] == 4
+    with pytest.raises(AttributeError):
+        _ = s.cold_loads_per_minute  # a plugin option: s.options or s[...]
 
 
 def test_every_design_flag_that_is_not_a_plugin_option_is_in_the_table() -> None:
@@ -419,49 +417,12 @@ def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
     assert "LORA_GUARD_MAX_LORAS" in capsys.readouterr().out
 
 
-def test_engine_kwargs_fit_llm() -> None:
-    # LLM's parameters, read from its source so that torch need not load
-    source = Path(__file__).parents[1] / "lora_guard" / "engine" / "llm.py"
-    tree = ast.parse(source.read_text())
-    llm = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LLM")
-    init = next(n for n in llm.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
-    params = {a.arg for a in [*init.args.args, *init.args.kwonlyargs]}
-    kwargs = load(["--model", "/m", "--kv-cache-memory", "2147483648"]).engine_kwargs()
-    assert set(kwargs) <= params
-    assert {
-        "model", "adapter_dir", "adapters", "max_loras", "max_cpu_loras", "max_lora_rank",
-        "kv_cache_memory", "block_size", "enable_prefix_caching", "max_batch_tokens",
-        "max_num_seqs", "dtype", "device", "model_id",
-    } <= set(kwargs)  # fmt: skip
-    assert kwargs["model"] == "/m" and kwargs["kv_cache_memory"] == 2 * 2**30
-
-
-@pytest.fixture
-def engine_parse_memory(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The engine's parse_memory, recorded; a stand-in module, so that torch need not load."""
-    calls: list[str] = []
-
-    def parse_memory(value: str) -> int:
-        calls.append(value)
-        if value == "2GiB":
-            return 2 * 2**30
-        raise ValueError(f"cannot read {value!r} as a memory size (try 512MiB or 2GB)")
-
-    monkeypatch.setitem(
-        sys.modules, "lora_guard.engine.config", types.SimpleNamespace(parse_memory=parse_memory)
-    )
-    return calls
-
-
-def test_kv_cache_memory_sizes_are_read_by_the_engines_parse_memory(
-    engine_parse_memory: list[str],
-) -> None:
+def test_memory_sizes_are_read_by_the_engines_parse_memory() -> None:
     assert load(["--kv-cache-memory", "2GiB"]).kv_cache_memory == 2 * 2**30
-    assert load(LORA_GUARD_KV_CACHE_MEMORY="4096").kv_cache_memory == 4096  # plain bytes: no call
-    assert engine_parse_memory == ["2GiB"]
+    assert load(LORA_GUARD_CACHE_MEMORY="4096").cache_memory == 4096
     with pytest.raises(SettingsError, match=r"--kv-cache-memory: bad value '2 TiBs' from env"):
         load(LORA_GUARD_KV_CACHE_MEMORY="2 TiBs")
-    with pytest.raises(SettingsError, match=r"--kv-cache-memory: .*must be at least 1"):
+    with pytest.raises(SettingsError, match=r"--kv-cache-memory: .*must be positive"):
         load(["--kv-cache-memory", "0"])
 
 

@@ -1,9 +1,17 @@
-"""Engine configuration, validated when it is made."""
+"""Engine configuration, validated when it is made.
+
+Each field a user sets is described once, in ``setting(...)`` metadata: its help, how a value is
+read and checked, and what the command line needs. ``LLM(...)``'s keywords, the flags of
+``lora-guard serve`` (``lora_guard.config``) and the docs' tables come from these fields. Fields
+without help (``lora_mode``, ...) are set by the engine's builder, never by users.
+"""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -13,11 +21,78 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = {
+    "auto": "auto",
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+}  # fmt: skip
+_DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 DEFAULT_CACHE_SHARE = 0.25  # of free memory, when no cache size is given
 
 
 class ConfigError(ValueError):
     """An engine setting is invalid."""
+
+
+# -- checks: a value (or a flag's text) in, the value out; ValueError says what is wrong ---------
+
+
+def at_least(low: int) -> Callable[[Any], int]:
+    def check(value: Any) -> int:
+        if isinstance(value, str):
+            try:
+                value = int(value.strip())
+            except ValueError:
+                raise ValueError("expected an integer") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError("expected an integer")
+        if value < low:
+            raise ValueError(f"must be at least {low}")
+        return value
+
+    check.__name__ = f"at_least_{low}"
+    return check
+
+
+def power_of_two(value: Any) -> int:
+    number = at_least(1)(value)
+    if number & (number - 1):
+        raise ValueError("must be a power of two")
+    return number
+
+
+def one_of(*choices: str) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        word = str(value).strip().lower()
+        if word not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return word
+
+    return check
+
+
+def text(value: Any) -> str:
+    word = str(value).strip()
+    if not word:
+        raise ValueError("must not be empty")
+    return word
+
+
+def device_name(value: Any) -> Any:
+    if isinstance(value, torch.device):
+        return value
+    word = str(value).strip().lower()
+    if not _DEVICE.fullmatch(word):
+        raise ValueError("expected auto, cpu, cuda, cuda:N or mps")
+    return word
+
+
+def dtype_name(value: Any) -> Any:
+    """A dtype, or its name with the aliases read (``bf16`` is ``bfloat16``)."""
+    if isinstance(value, torch.dtype):
+        return value
+    return _DTYPE_NAMES[one_of(*_DTYPE_NAMES)(value)]
 
 
 def parse_memory(value: int | str) -> int:
@@ -68,55 +143,137 @@ def free_memory(device: torch.device) -> int:
         return 4 * 2**30
 
 
+# -- fields -------------------------------------------------------------------------------------
+
+
+def setting(
+    default: Any = MISSING,
+    *,
+    help: str,
+    check: Callable[[Any], Any] | None = None,
+    metavar: str | None = None,
+    shown: str | None = None,
+    flag: str | None = None,
+    group: str = "engine",
+) -> Any:
+    """A field users set. ``help`` and ``shown`` (the default in words) may name other fields as
+    ``{max_loras}``: a flag on the command line, a keyword in ``LLM``'s docs. ``check`` reads and
+    checks a value, Python or a flag's text. ``flag`` is the setting's name on the command line
+    where it differs from the field's; a bool field is a switch there (``--no-...`` when on by
+    default). ``group`` is its section of ``lora-guard serve --help``."""
+    metadata = {"help": help, "check": check, "metavar": metavar, "shown": shown, "flag": flag,
+                "group": group}  # fmt: skip
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True, slots=True)
+class Order:
+    """``low <= high`` between two settings (``low < high`` when ``strict``); None passes. With
+    ``follow``, a ``high`` left at its default is raised to ``low`` instead of failing."""
+
+    low: str
+    high: str
+    strict: bool = False
+    follow: bool = False
+
+    def settle(self, values: dict[str, Any], at_default: Callable[[str], bool]) -> bool:
+        """Whether ``values`` keep the order, once a following ``high`` is raised in place."""
+        low, high = values[self.low], values[self.high]
+        if low is None or high is None or (low < high if self.strict else low <= high):
+            return True
+        if self.follow and at_default(self.high):
+            values[self.high] = low
+            return True
+        return False
+
+    def message(self, spell: Callable[[str], str] = str) -> str:
+        if self.strict:
+            return f"{spell(self.low)} must be less than {spell(self.high)}"
+        return f"{spell(self.high)} must be at least {spell(self.low)}"
+
+
+#: The engine's rules between fields; ``lora_guard.config`` checks the same ones with flag names.
+ORDERS = (
+    Order("max_loras", "max_cpu_loras", follow=True),
+    Order("block_size", "max_batch_tokens"),
+)
+
+
 @dataclass(slots=True)
 class EngineConfig:
-    """Sizes and switches of one engine instance. See ``lora_guard.LLM`` for each field."""
+    """Sizes and switches of one engine instance."""
 
-    model: str
-    model_id: str | None = None
-    max_loras: int = 8
-    max_cpu_loras: int = 32
-    max_lora_rank: int = 64
-    cache_memory: int | str | None = None
-    kv_cache_memory: int | str | None = None
-    residency_quantum_ms: int = 1000
-    lora_compute: str = "loop"
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    max_batch_tokens: int = 2048
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    dtype: str | torch.dtype | None = None
-    device: str | torch.device | None = None
+    model: str = setting(help="Hugging Face checkpoint folder (config.json, *.safetensors, "
+                         "tokenizer)", check=text, metavar="DIR", group="model",
+                         shown="the demo model, prepared if missing")  # fmt: skip
+    model_id: str | None = setting(None, help="name of the base model in /info, /v1/models and "
+                                   "the OpenAI `model` field", check=text, metavar="NAME",
+                                   group="model", shown="from the checkpoint")  # fmt: skip
+    device: str | torch.device = setting("auto", help="cpu, cuda, cuda:N, mps or auto (cuda when "
+                                         "available)", check=device_name)  # fmt: skip
+    dtype: str | torch.dtype = setting("auto", help="float32, bfloat16, float16 (also fp32, bf16, "
+                                       "fp16, half) or auto (bfloat16 on cuda, float32 on cpu)",
+                                       check=dtype_name)  # fmt: skip
+    max_loras: int = setting(8, help="seats in the cache pool: adapters resident at once",
+                             check=at_least(1), metavar="N")  # fmt: skip
+    max_cpu_loras: int = setting(32, help="adapters kept in host memory; left at its default it "
+                                 "is raised to {max_loras}, set lower it is an error",
+                                 check=at_least(1), metavar="N")  # fmt: skip
+    max_lora_rank: int = setting(64, help="largest adapter rank accepted (adapters take pages for "
+                                 "their own ranks, never this one)", check=at_least(1),
+                                 metavar="N")  # fmt: skip
+    cache_memory: int | str | None = setting(None, help="the one cache pool that KV blocks and "
+                                             "adapter weights share, bytes or a size such as "
+                                             "512MiB, 2GB, 1.5GiB; memory for both never exceeds "
+                                             "it", check=parse_memory, metavar="SIZE",
+                                             shown="{kv_cache_memory}, else a quarter of free "
+                                             "memory")  # fmt: skip
+    kv_cache_memory: int | str | None = setting(None, help="the cache pool under its former name, "
+                                                "used when {cache_memory} is not given",
+                                                check=parse_memory, metavar="SIZE",
+                                                shown="a quarter of free memory")  # fmt: skip
+    residency_quantum_ms: int = setting(1000, help="an adapter that requests still need stays in "
+                                        "the pool at least this long after its load: adapters "
+                                        "take turns at step boundaries instead of thrashing",
+                                        check=at_least(0), metavar="MS")  # fmt: skip
+    lora_compute: str = setting("loop", help="how a step computes the LoRA updates: loop (per "
+                                "adapter segment) or batched (one gathered batched matmul per "
+                                "projection)", check=one_of("loop", "batched"),
+                                metavar="MODE")  # fmt: skip
+    block_size: int = setting(16, help="tokens per KV block (a power of two)", check=power_of_two,
+                              metavar="N")  # fmt: skip
+    enable_prefix_caching: bool = setting(True, help="reuse KV blocks of shared prefixes (within "
+                                          "one namespace)", flag="no_prefix_caching")  # fmt: skip
+    max_batch_tokens: int = setting(2048, help="tokens per engine step, prefill and decode "
+                                    "together; at least {block_size}", check=at_least(1),
+                                    metavar="N")  # fmt: skip
+    max_num_seqs: int = setting(64, help="sequences in the running batch at once",
+                                check=at_least(1), metavar="N")  # fmt: skip
+    max_model_len: int | None = setting(None, help="longest prompt + generated tokens of one "
+                                        "request", check=at_least(2), metavar="N",
+                                        shown="the model's context length",
+                                        flag="max_total_tokens")  # fmt: skip
     lora_mode: str = "slots"
     static_adapter: str | None = None
     reject_when_busy: bool = True  # False: a policy's "busy" makes a request wait (LLM.generate)
 
     def __post_init__(self) -> None:
+        for f in user_fields():
+            value = getattr(self, f.name)
+            if f.metadata["check"] is not None and value is not None:
+                try:
+                    setattr(self, f.name, f.metadata["check"](value))
+                except ValueError as exc:
+                    raise ConfigError(f"{f.name}: {exc}") from None
+        values = {f.name: getattr(self, f.name) for f in user_fields()}
+        for order in ORDERS:
+            if not order.settle(values, lambda name: values[name] == _DEFAULTS[name]):
+                raise ConfigError(order.message())
+            setattr(self, order.high, values[order.high])
         if self.lora_mode not in ("slots", "merged"):
             raise ConfigError(f"lora_mode must be slots or merged, not {self.lora_mode!r}")
         if self.static_adapter is not None:
             self.lora_mode = "merged"
-        if self.max_loras < 1:
-            raise ConfigError("max_loras must be at least 1")
-        if self.max_cpu_loras < self.max_loras:
-            raise ConfigError("max_cpu_loras must be at least max_loras")
-        if self.max_lora_rank < 1:
-            raise ConfigError("max_lora_rank must be at least 1")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ConfigError("block_size must be a positive power of two")
-        if self.max_batch_tokens < self.block_size:
-            raise ConfigError("max_batch_tokens must be at least block_size")
-        if self.max_num_seqs < 1:
-            raise ConfigError("max_num_seqs must be at least 1")
-        if self.kv_cache_memory is not None:
-            self.kv_cache_memory = parse_memory(self.kv_cache_memory)
-        if self.cache_memory is not None:
-            self.cache_memory = parse_memory(self.cache_memory)
-        if self.residency_quantum_ms < 0:
-            raise ConfigError("residency_quantum_ms must be at least 0")
-        if self.lora_compute not in ("loop", "batched"):
-            raise ConfigError(f"lora_compute must be loop or batched, not {self.lora_compute!r}")
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
 
@@ -136,3 +293,16 @@ class EngineConfig:
             if size is not None:
                 return int(size)
         return int(free_memory(self.torch_device) * DEFAULT_CACHE_SHARE)
+
+
+def user_fields() -> Iterator[Field[Any]]:
+    """The fields of ``EngineConfig`` that users set (those with help)."""
+    return (f for f in fields(EngineConfig) if "help" in f.metadata)
+
+
+def describe(words: str, spell: Callable[[str], str]) -> str:
+    """``words`` with each ``{field}`` spelled by ``spell`` (a flag, or a keyword)."""
+    return re.sub(r"\{(\w+)\}", lambda m: spell(m.group(1)), words)
+
+
+_DEFAULTS = {f.name: f.default for f in user_fields()}

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lora_guard.engine.config import ConfigError, EngineConfig
+from lora_guard.engine.config import ConfigError, EngineConfig, describe, user_fields
 from lora_guard.engine.llm_engine import LLMEngine, RequestOutput
 from lora_guard.engine.sampling import SamplingParams
 from lora_guard.plugins.manager import Hooks, make_plugin_manager, parse_policies
@@ -23,22 +23,11 @@ _IDLE_WAIT_S = 0.001
 class LLM:
     """A base model with LoRA adapters, for batches of prompts.
 
-    :param model: Hugging Face checkpoint folder (safetensors weights, tokenizer).
+    ``model`` and the keywords ``model_id`` to ``max_model_len`` are the fields of
+    ``EngineConfig``, with its defaults; their help is at the end here and in docs/engine.md.
+
     :param adapter_dir: folder whose subfolders are PEFT adapters; the id is the folder name.
     :param adapters: more adapters, ``{id: folder}``.
-    :param max_loras: seats in the cache pool (adapters resident at once).
-    :param max_cpu_loras: adapters kept in host memory.
-    :param max_lora_rank: largest rank accepted (an adapter takes pages for its own rank).
-    :param cache_memory: size of the cache pool that KV blocks and adapter weights share, bytes
-        or a string such as ``"512MiB"``.
-    :param kv_cache_memory: the same, under its former name (used when ``cache_memory`` is None).
-    :param residency_quantum_ms: an adapter that requests still need stays in the pool at least
-        this long after its load.
-    :param lora_compute: ``"loop"`` (per adapter segment) or ``"batched"``.
-    :param block_size: tokens per KV block.
-    :param enable_prefix_caching: reuse KV blocks of shared prefixes within one namespace.
-    :param dtype: ``float32``, ``bfloat16`` or ``float16`` (default: float32 on CPU).
-    :param device: ``cpu`` or ``cuda`` (default: cuda when available).
     :param policies: ``"hot-set,cold-budget,kv-namespace"`` (the default), any subset of them, or
         one baseline: ``"lru"``, ``"on-demand"`` (one adapter at a time, merged into the base
         weights) or ``"static"`` (``settings["static_adapter"]`` merged for good; requests for
@@ -55,6 +44,9 @@ class LLM:
         adapter_dir: str | Path | None = None,
         adapters: dict[str, str | Path] | None = None,
         *,
+        model_id: str | None = None,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "auto",
         max_loras: int = 8,
         max_cpu_loras: int = 32,
         max_lora_rank: int = 64,
@@ -67,40 +59,18 @@ class LLM:
         max_batch_tokens: int = 2048,
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
-        dtype: str | torch.dtype | None = None,
-        device: str | torch.device | None = None,
-        model_id: str | None = None,
         policies: str | SequenceOf[str] | None = None,
         plugins: SequenceOf[str] = (),
         disabled_plugins: SequenceOf[str] = (),
         settings: dict[str, Any] | None = None,
     ) -> None:
+        given = locals()
+        config = {f.name: given[f.name] for f in user_fields()}  # the engine's fields, once
         chosen = parse_policies(policies)
         hooks = Hooks(make_plugin_manager(chosen, plugins, disabled_plugins))
-        self.engine = build_engine(
-            hooks,
-            chosen,
-            settings or {},
-            adapters=adapters,
-            adapter_dir=adapter_dir,
-            model=str(model),
-            model_id=model_id,
-            max_loras=max_loras,
-            max_cpu_loras=max(max_cpu_loras, max_loras),
-            max_lora_rank=max_lora_rank,
-            cache_memory=cache_memory,
-            kv_cache_memory=kv_cache_memory,
-            residency_quantum_ms=residency_quantum_ms,
-            lora_compute=lora_compute,
-            reject_when_busy=False,
-            block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching,
-            max_batch_tokens=max_batch_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            dtype=dtype,
-            device=device,
-        )
+        self.engine = build_engine(hooks, chosen, settings or {}, adapters=adapters,
+                                   adapter_dir=adapter_dir, reject_when_busy=False,
+                                   **config)  # fmt: skip
         self._ids = itertools.count()
 
     @property
@@ -149,6 +119,12 @@ class LLM:
             if not outputs:
                 time.sleep(_IDLE_WAIT_S)  # waiting for an adapter load
         return [finished[i] for i in ids]
+
+
+LLM.__doc__ = (LLM.__doc__ or "").rstrip() + "".join(
+    f"\n    :param {f.name}: {describe(f.metadata['help'], lambda n: f'``{n}``')}"
+    for f in user_fields()
+)
 
 
 def build_engine(

@@ -15,6 +15,7 @@ from typing import Any
 
 import uvicorn
 
+from lora_guard.config import INPUT_BELOW_TOTAL, SETTINGS_BY_NAME
 from lora_guard.engine.async_engine import AsyncEngine
 from lora_guard.engine.llm_engine import LLMEngine
 from lora_guard.server.app import create_app
@@ -26,18 +27,23 @@ log = logging.getLogger("lora_guard.server")
 
 
 def limits_for(engine: LLMEngine, settings: dict[str, Any]) -> Limits:
-    max_total = int(settings.get("max_total_tokens") or engine.max_model_len)
-    max_total = min(max_total, engine.max_model_len)
-    max_input = int(settings.get("max_input_tokens") or max_total - 1)
-    if max_input >= max_total:
-        raise ValueError(
-            f"max_input_tokens ({max_input}) must be below max_total_tokens ({max_total})"
-        )
+    """The request limits in ``settings`` (``ServeSettings.plugin_settings()``), each missing one
+    at its default; the total is capped at the engine's ``max_model_len``."""
+
+    def get(name: str) -> Any:
+        value = settings.get(name)
+        return SETTINGS_BY_NAME[name].default if value is None else int(value)
+
+    max_total = min(get("max_total_tokens") or engine.max_model_len, engine.max_model_len)
+    tokens = {"max_input_tokens": get("max_input_tokens") or max_total - 1,
+              "max_total_tokens": max_total}  # fmt: skip
+    if not INPUT_BELOW_TOTAL.settle(tokens, lambda name: False):
+        raise ValueError(INPUT_BELOW_TOTAL.message(lambda name: f"{name} ({tokens[name]})"))
     return Limits(
-        max_concurrent_requests=int(settings.get("max_concurrent_requests") or 128),
-        max_input_tokens=max_input,
+        max_concurrent_requests=get("max_concurrent_requests"),
+        max_input_tokens=tokens["max_input_tokens"],
         max_total_tokens=max_total,
-        max_stop_sequences=int(settings.get("max_stop_sequences") or 4),
+        max_stop_sequences=get("max_stop_sequences"),
     )
 
 

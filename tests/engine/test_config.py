@@ -35,3 +35,20 @@ def test_config_checks_itself() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="CUDA"):
             EngineConfig(model="m", device="cuda")
+
+
+def test_each_field_is_checked_as_its_flag_is() -> None:
+    config = EngineConfig(model="m", dtype="bf16", device="CPU", lora_compute="Batched")
+    assert config.torch_dtype is torch.bfloat16 and config.lora_compute == "batched"
+    with pytest.raises(ConfigError, match="max_loras: must be at least 1"):
+        EngineConfig(model="m", max_loras=0, device="cpu")
+    with pytest.raises(ConfigError, match="lora_compute: expected one of loop, batched"):
+        EngineConfig(model="m", lora_compute="fused", device="cpu")
+    with pytest.raises(ConfigError, match="max_batch_tokens must be at least block_size"):
+        EngineConfig(model="m", block_size=32, max_batch_tokens=16, device="cpu")
+
+
+def test_max_cpu_loras_left_at_its_default_follows_max_loras() -> None:
+    assert EngineConfig(model="m", max_loras=64, device="cpu").max_cpu_loras == 64
+    assert EngineConfig(model="m", max_loras=4, device="cpu").max_cpu_loras == 32
+    assert EngineConfig(model="m", max_loras=4, max_cpu_loras=4, device="cpu").max_cpu_loras == 4
