@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from lora_guard.engine.config import ConfigError, EngineConfig, parse_memory
+from lora_guard.engine.errors import RequestError, UnknownAdapterError
 from lora_guard.engine.llm import LLM
-from lora_guard.engine.llm_engine import LLMEngine, RequestError, RequestOutput
+from lora_guard.engine.llm_engine import LLMEngine, RequestOutput
 from lora_guard.engine.lora import AdapterError
 from lora_guard.engine.model import ModelLoadError
 from lora_guard.engine.sampling import InvalidParams, SamplingParams
@@ -20,5 +21,6 @@ __all__ = [
     "RequestError",
     "RequestOutput",
     "SamplingParams",
+    "UnknownAdapterError",
     "parse_memory",
 ]

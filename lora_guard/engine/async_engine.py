@@ -103,7 +103,9 @@ class AsyncEngine:
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's state after every step that changed it; the last one is finished.
 
-        Raises the engine's validation errors (RequestError, ...) before the first output.
+        Raises the engine's refusals before the first output: :class:`RequestError`, or its
+        :class:`UnknownAdapterError` for an adapter the engine does not know (asked on the loop
+        thread, and nowhere before).
         """
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")

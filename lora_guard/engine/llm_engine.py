@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 from lora_guard.engine.config import ConfigError, EngineConfig
+from lora_guard.engine.errors import RequestError as RequestError  # re-exported
+from lora_guard.engine.errors import UnknownAdapterError
 from lora_guard.engine.kv_cache import Block, BlockManager
 from lora_guard.engine.lora.checkpoint import LoRAAdapter, read_adapter
 from lora_guard.engine.lora.loader import AdapterLoader, HostCache
@@ -27,10 +29,6 @@ from lora_guard.plugins.manager import Hooks, make_plugin_manager
 
 MIN_KV_BLOCKS = 4
 log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request cannot be accepted as given (unknown adapter, too long, bad prompt)."""
 
 
 @dataclass(slots=True)
@@ -174,7 +172,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         if adapter_id is not None and not self.adapters.knows(adapter_id):
-            raise RequestError(f"adapter {adapter_id!r} is not known")
+            raise UnknownAdapterError(f"adapter {adapter_id!r} is not known")
         static = self.config.static_adapter
         if static is not None and adapter_id != static:
             raise RequestError(

@@ -9,6 +9,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from lora_guard.engine.async_engine import EngineDeadError
+from lora_guard.engine.errors import RequestError, UnknownAdapterError
+
 
 class APIError(Exception):
     """A request ends with ``status`` and TGI's error body."""
@@ -48,6 +51,22 @@ def generation(message: str) -> APIError:
 
 def unavailable(message: str) -> APIError:
     return APIError(503, message, "unhealthy")
+
+
+# The engine's refusals: (status, error_type) on the TGI routes, then on the OpenAI routes.
+ENGINE_ERRORS: dict[type[Exception], tuple[tuple[int, str], tuple[int, str]]] = {
+    UnknownAdapterError: ((422, "validation"), (404, "not_found")),
+    RequestError: ((422, "validation"), (422, "validation")),
+    EngineDeadError: ((500, "incomplete_generation"), (500, "incomplete_generation")),
+}
+
+
+def from_engine(exc: Exception, *, openai: bool = False) -> APIError:
+    """The answer to an exception of a kind in :data:`ENGINE_ERRORS`."""
+    kind = next(k for k in type(exc).__mro__ if k in ENGINE_ERRORS)
+    tgi, openai_ = ENGINE_ERRORS[kind]
+    status, error_type = openai_ if openai else tgi
+    return APIError(status, str(exc), error_type)
 
 
 def install(app: FastAPI) -> None:

@@ -17,8 +17,8 @@ from lora_guard.engine.lora import AdapterError, read_adapter
 from lora_guard.engine.lora.registry import valid_adapter_id
 from lora_guard.server.auth import require_admin
 from lora_guard.server.errors import APIError, not_found, validation
-from lora_guard.server.routes_tgi import _state
 from lora_guard.server.state import ServerState
+from lora_guard.server.state import state_of as _state
 
 router = APIRouter(prefix="/v1")
 

@@ -2,48 +2,25 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from lora_guard import __version__
 from lora_guard.engine.llm_engine import RequestOutput
 from lora_guard.server.auth import require_admin
-from lora_guard.server.errors import APIError, unavailable, validation
-from lora_guard.server.protocol import (
-    CompatGenerateRequest,
-    GenerateParameters,
-    GenerateRequest,
-    TokenizeRequest,
-)
-from lora_guard.server.state import ServerState, final, first_then_rest
+from lora_guard.server.errors import unavailable, validation
+from lora_guard.server.pipeline import Ask, sse, start
+from lora_guard.server.protocol import CompatGenerateRequest, GenerateRequest, TokenizeRequest
+from lora_guard.server.state import ServerState, state_of
 
 router = APIRouter()
 
 
-def _state(request: Request) -> ServerState:
-    state: ServerState = request.app.state.lora_guard
-    return state
-
-
-def _tenant(request: Request) -> str:
-    """The caller's tenant: from its API key when keys are configured, else X-Tenant-Id."""
-    key = getattr(request.state, "api_key", None)
-    if key is not None:
-        return str(key.tenant)
-    return request.headers.get("x-tenant-id") or "default"
-
-
-def _authorize(request: Request, adapter_id: str | None) -> None:
-    key = getattr(request.state, "api_key", None)
-    if key is not None and not key.may_use(adapter_id):
-        raise APIError(403, f"this API key may not use adapter {adapter_id!r}", "forbidden")
-
-
-def _unsupported(p: GenerateParameters) -> None:
+def _ask(body: GenerateRequest) -> Ask:
+    p = body.parameters
     if p.best_of not in (None, 1):
         raise validation("`best_of` != 1 is not supported")
     if p.top_n_tokens:
@@ -58,24 +35,11 @@ def _unsupported(p: GenerateParameters) -> None:
         raise validation("`watermark` is not supported")
     if p.seed is not None and p.seed < 0:
         raise validation("`seed` must be a non-negative integer")
-
-
-def _prepare(
-    state: ServerState, body: GenerateRequest, request: Request
-) -> tuple[list[int], Any, str | None]:
-    p = body.parameters
-    _unsupported(p)
-    adapter = state.check_adapter(p.adapter_id)
-    _authorize(request, adapter)
-    prompt = state.encode(body.inputs)
-    if p.truncate is not None and 0 < p.truncate < len(prompt):
-        prompt = prompt[-p.truncate :]
-    params = state.sampling(
-        len(prompt), p.max_new_tokens, do_sample=p.do_sample, temperature=p.temperature,
-        top_k=p.top_k, top_p=p.top_p, seed=p.seed, repetition_penalty=p.repetition_penalty,
-        stop=list(p.stop),
+    sampling = dict(
+        do_sample=p.do_sample, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+        seed=p.seed, repetition_penalty=p.repetition_penalty, stop=list(p.stop),
     )  # fmt: skip
-    return prompt, params, adapter
+    return Ask(body.inputs, p.adapter_id, p.max_new_tokens, sampling, truncate=p.truncate)
 
 
 def _tokens(state: ServerState, out: RequestOutput, start: int = 0) -> list[dict[str, Any]]:
@@ -91,87 +55,70 @@ def _tokens(state: ServerState, out: RequestOutput, start: int = 0) -> list[dict
     ]
 
 
-def _details(state: ServerState, out: RequestOutput, seed: int | None) -> dict[str, Any]:
-    return {
-        "finish_reason": out.finish_reason,
-        "generated_tokens": len(out.token_ids),
-        "seed": seed,
-        "prefill": [],
-        "tokens": _tokens(state, out),
-    }
+def _text(body: GenerateRequest, out: RequestOutput) -> str:
+    return body.inputs + out.text if body.parameters.return_full_text else out.text
 
 
-async def _generate(state: ServerState, body: GenerateRequest, request: Request) -> dict[str, Any]:
-    prompt, params, adapter = _prepare(state, body, request)
-    last = await final(state.generate(prompt, params, adapter, _tenant(request)))
-    text = last.text
-    if body.parameters.return_full_text:
-        text = body.inputs + text
-    result: dict[str, Any] = {"generated_text": text}
+async def _generate(body: GenerateRequest, request: Request) -> dict[str, Any]:
+    run = await start(request, _ask(body))
+    last = await run.final()
+    result: dict[str, Any] = {"generated_text": _text(body, last)}
     if body.parameters.details:
-        result["details"] = _details(state, last, params.seed)
+        result["details"] = {
+            "finish_reason": last.finish_reason,
+            "generated_tokens": len(last.token_ids),
+            "seed": run.params.seed,
+            "prefill": [],
+            "tokens": _tokens(state_of(request), last),
+        }
     return result
 
 
-async def _stream(state: ServerState, body: GenerateRequest, request: Request) -> Response:
-    prompt, params, adapter = _prepare(state, body, request)
-    outputs = state.generate(prompt, params, adapter, _tenant(request))
-    first, rest = await first_then_rest(outputs)  # errors so far still get their status code
+async def _stream(body: GenerateRequest, request: Request) -> Response:
+    state = state_of(request)
+    run = await start(request, _ask(body))
 
-    async def events() -> AsyncIterator[bytes]:
-        sent, index, out = 0, 0, first
-        try:
-            while True:
-                for token in _tokens(state, out, sent):
-                    index += 1
-                    event: dict[str, Any] = {"index": index, "token": token, "top_tokens": [],
-                                             "generated_text": None, "details": None}  # fmt: skip
-                    if out.finished and index == len(out.token_ids):
-                        text = out.text
-                        if body.parameters.return_full_text:
-                            text = body.inputs + text
-                        event["generated_text"] = text
-                        event["details"] = {
-                            "finish_reason": out.finish_reason,
-                            "generated_tokens": len(out.token_ids),
-                            "input_length": len(prompt),
-                            "seed": params.seed,
-                        }
-                    yield b"data:" + json.dumps(event).encode() + b"\n\n"
-                sent = len(out.token_ids)
-                if out.finished:
-                    return
-                out = await rest.__anext__()
-        except APIError as exc:
-            yield b"data:" + json.dumps(exc.body()).encode() + b"\n\n"
-        except StopAsyncIteration:
-            return
-        finally:
-            await rest.aclose()
+    async def events() -> AsyncIterator[dict[str, Any]]:
+        sent, index = 0, 0
+        async for out in run.outputs():
+            for token in _tokens(state, out, sent):
+                index += 1
+                event: dict[str, Any] = {"index": index, "token": token, "top_tokens": [],
+                                         "generated_text": None, "details": None}  # fmt: skip
+                if out.finished and index == len(out.token_ids):
+                    event["generated_text"] = _text(body, out)
+                    event["details"] = {
+                        "finish_reason": out.finish_reason,
+                        "generated_tokens": len(out.token_ids),
+                        "input_length": len(run.prompt),
+                        "seed": run.params.seed,
+                    }
+                yield event
+            sent = len(out.token_ids)
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return sse(run, events(), openai=False)
 
 
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
-    return JSONResponse(await _generate(_state(request), body, request))
+    return JSONResponse(await _generate(body, request))
 
 
 @router.post("/generate_stream")
 async def generate_stream(body: GenerateRequest, request: Request) -> Response:
-    return await _stream(_state(request), body, request)
+    return await _stream(body, request)
 
 
 @router.post("/")
 async def compat_generate(body: CompatGenerateRequest, request: Request) -> Response:
     if body.stream:
-        return await _stream(_state(request), body, request)
-    return JSONResponse([await _generate(_state(request), body, request)])
+        return await _stream(body, request)
+    return JSONResponse([await _generate(body, request)])
 
 
 @router.get("/info")
 async def info(request: Request) -> dict[str, Any]:
-    state = _state(request)
+    state = state_of(request)
     llm = state.llm
     return {
         "model_id": state.model_id,
@@ -195,7 +142,7 @@ async def info(request: Request) -> dict[str, Any]:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    state = _state(request)
+    state = state_of(request)
     if not (state.ready and state.engine.is_alive):
         raise unavailable("the engine is not ready")
     return Response(status_code=200)
@@ -203,7 +150,7 @@ async def health(request: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    state = _state(request)
+    state = state_of(request)
     require_admin(state.keys, getattr(request.state, "api_key", None), "/metrics")
     plugin = state.metrics
     if plugin is None:
@@ -213,7 +160,7 @@ async def metrics(request: Request) -> Response:
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> list[dict[str, Any]]:
-    state = _state(request)
+    state = state_of(request)
     encoding = state.tokenizer(body.inputs, return_offsets_mapping=True, add_special_tokens=False)
     return [
         {"id": i, "text": body.inputs[a:b], "start": a, "stop": b}
