@@ -46,10 +46,10 @@ class InjectedFault(RuntimeError):
 
 
 def _wrap_run(run: Callable[..., Any]) -> Callable[..., Any]:
-    def run_with_faults(self: ModelRunner, scheduled: list[Any]) -> Any:
-        if any(item.seq.tenant_id == STEP_FAULT for item in scheduled):
+    def run_with_faults(self: ModelRunner, plan: Any) -> Any:
+        if any(item.seq.tenant_id == STEP_FAULT for item in plan.scheduled):
             raise InjectedFault("injected fault: the forward pass failed")
-        return run(self, scheduled)
+        return run(self, plan)
 
     run_with_faults.injected = True  # type: ignore[attr-defined]
     return run_with_faults

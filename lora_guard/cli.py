@@ -162,8 +162,8 @@ def _serve(argv: list[str]) -> int:
     except SettingsError as exc:
         print(f"lora-guard serve: error: {exc}", file=sys.stderr)
         return 2
+    from lora_guard.engine.builder import build_engine
     from lora_guard.engine.config import ConfigError
-    from lora_guard.engine.llm import build_engine
     from lora_guard.engine.lora import AdapterError
     from lora_guard.engine.model import ModelLoadError
     from lora_guard.plugins import PluginError

@@ -5,7 +5,8 @@ keeps blocks of different adapters (and, by policy, tenants) apart: the default 
 (base model id, adapter id, adapter content hash). Each block also records its scope, the weights
 that computed it (base model id, adapter id, adapter content hash). Every hit is verified: tokens
 and namespace must match, and a hit whose scope differs from the request's is a conflict, counted
-and refused unless ``may_reuse`` allows it (an explicit observe mode that shows the hazard). Free
+and refused unless the caller's ``may_reuse`` allows it (an explicit observe mode that shows the
+hazard). Free
 blocks that still hold cached content are reused least-recently-freed first.
 
 The blocks are the pages of the cache pool (``engine/lora/pool.py``): pages that hold adapter
@@ -96,7 +97,6 @@ class BlockManager:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = True
-    may_reuse: ReuseCheck | None = None
     stats: CacheStats = field(default_factory=CacheStats)
 
     def __post_init__(self) -> None:
@@ -175,7 +175,9 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # prefix cache
-    def _find_prefix(self, seq: Sequence, *, record: bool) -> list[int]:
+    def _find_prefix(
+        self, seq: Sequence, may_reuse: ReuseCheck | None, *, record: bool
+    ) -> list[int]:
         """Cached blocks that hold a prefix of ``seq``'s tokens in its namespace."""
         if not self.enable_prefix_caching:
             return []
@@ -193,16 +195,18 @@ class BlockManager:
                 break
             if block.scope != seq.cache_scope:
                 self.stats.conflicts += record  # KV computed under other weights
-                if self.may_reuse is None or not self.may_reuse(block, seq):
+                if may_reuse is None or not may_reuse(block, seq):
                     break
             hits.append(block_id)
             parent = key
         return hits
 
-    def can_allocate(self, seq: Sequence, max_new_tokens: int) -> bool:
+    def can_allocate(
+        self, seq: Sequence, max_new_tokens: int, may_reuse: ReuseCheck | None = None
+    ) -> bool:
         """Whether ``seq`` (holding no blocks yet) can start, computing up to ``max_new_tokens``
         tokens past its cached prefix in this step."""
-        hits = self._find_prefix(seq, record=False)
+        hits = self._find_prefix(seq, may_reuse, record=False)
         cached = len(hits) * self.block_size
         copy_on_write = int(cached == len(seq.token_ids))
         cached -= copy_on_write
@@ -211,10 +215,11 @@ class BlockManager:
         reclaimable = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         return self.num_free_blocks - reclaimable >= needed
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give ``seq`` its cached prefix blocks; it computes from the first uncached token."""
+    def allocate(self, seq: Sequence, may_reuse: ReuseCheck | None = None) -> None:
+        """Give ``seq`` its cached prefix blocks; it computes from the first uncached token.
+        ``may_reuse`` decides on blocks computed under other weights (refused without it)."""
         assert not seq.block_table
-        hits = self._find_prefix(seq, record=True)
+        hits = self._find_prefix(seq, may_reuse, record=True)
         for block_id in hits:
             self._take(block_id)
         seq.block_table = list(hits)

@@ -5,17 +5,16 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence as SequenceOf
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lora_guard.engine.config import ConfigError, EngineConfig, describe, user_fields
-from lora_guard.engine.llm_engine import LLMEngine, RequestOutput
+from lora_guard.engine.builder import build_engine as build_engine  # its former home
+from lora_guard.engine.config import describe, user_fields
+from lora_guard.engine.llm_engine import RequestOutput
 from lora_guard.engine.sampling import SamplingParams
 from lora_guard.plugins.manager import Hooks, make_plugin_manager, parse_policies
-from lora_guard.plugins.options import id_list
 
 _IDLE_WAIT_S = 0.001
 
@@ -125,34 +124,6 @@ LLM.__doc__ = (LLM.__doc__ or "").rstrip() + "".join(
     f"\n    :param {f.name}: {describe(f.metadata['help'], lambda n: f'``{n}``')}"
     for f in user_fields()
 )
-
-
-def build_engine(
-    hooks: Hooks,
-    policies: tuple[str, ...],
-    settings: dict[str, Any],
-    adapters: dict[str, str | Path] | None = None,
-    adapter_dir: str | Path | None = None,
-    **config: Any,
-) -> LLMEngine:
-    """An engine with ``hooks`` configured: the one path from settings to an engine, for the
-    offline API and the server alike."""
-    static_adapter = settings.get("static_adapter")
-    if "static" in policies and not static_adapter:
-        raise ConfigError(
-            'policy static needs the adapter to serve: settings={"static_adapter": ID}'
-        )
-    engine_config = EngineConfig(
-        **config,
-        lora_mode="merged" if {"static", "on-demand"} & set(policies) else "slots",
-        static_adapter=static_adapter if "static" in policies else None,
-    )
-    hooks.configure({**asdict(engine_config), **settings})
-    engine = LLMEngine(engine_config, adapters=adapters, adapter_dir=adapter_dir, hooks=hooks)
-    usage = engine.adapters.usage  # the engine keeps the pins and the heat
-    usage.arrivals.window_s = float(settings.get("heat_window_s", usage.arrivals.window_s))
-    usage.pin(*id_list(settings.get("pin")))
-    return engine
 
 
 def _per_prompt(value: Any, n: int, default: Any) -> list[Any]:

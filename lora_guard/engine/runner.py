@@ -1,4 +1,5 @@
-"""Turns a scheduled step into the flat tensors one model forward needs, and runs it."""
+"""Runs a scheduled step on the model: the KV block copies it needs, the flat tensors of one
+forward, the sampler. Owns the model and the cache pool whose pages hold the KV tensors."""
 
 from __future__ import annotations
 
@@ -6,33 +7,60 @@ from dataclasses import dataclass
 
 import torch
 
-from lora_guard.engine.kv_cache import KVCache
+from lora_guard.engine.lora.checkpoint import LoRAAdapter
 from lora_guard.engine.lora.compute import LoraBatch, LoraSegment
+from lora_guard.engine.lora.pool import CachePool
 from lora_guard.engine.model import AttentionBatch, LlamaModel
-from lora_guard.engine.scheduler import ScheduledSeq
+from lora_guard.engine.sampling import SamplerInput, sample
+from lora_guard.engine.scheduler import SchedulerOutput
 from lora_guard.engine.sequence import Sequence
 
 
 @dataclass(slots=True)
 class StepResult:
-    """Logits for the sequences that reached the end of their known tokens in this step."""
+    """The next token of each sequence that reached the end of its known tokens in this step."""
 
     sampled: list[Sequence]
-    logits: torch.Tensor
+    tokens: list[int]
+    logprobs: list[float]
 
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaModel, kv_cache: KVCache, block_size: int, lora_mode: str = "loop"
+        self,
+        model: LlamaModel,
+        pool: CachePool,
+        lora_mode: str = "loop",
+        *,
+        merge_for_good: bool = False,
     ) -> None:
-        self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
-        self.lora_mode = lora_mode
+        self.model, self.pool, self.kv_cache = model, pool, pool.kv
+        self.block_size, self.lora_mode = pool.block_size, lora_mode
+        self.merge_for_good = merge_for_good  # the static baseline: no unmerge, no copy kept
         self.device = model.device
 
-    def run(self, scheduled: list[ScheduledSeq]) -> StepResult:
+    def merge(self, adapter: LoRAAdapter | None) -> None:
+        """Merged mode: fold ``adapter`` into the base weights (None: the base model again)."""
+        if adapter is None:
+            self.model.unmerge_lora()
+        else:
+            self.model.merge_lora(adapter.weights, reversible=not self.merge_for_good)
+
+    def run(self, plan: SchedulerOutput) -> StepResult:
+        for src, dst in plan.copies:
+            self.kv_cache.copy_block(src, dst, self.block_size)
+        logits, sampled = self._forward(plan)
+        tokens, logprobs = sample(
+            logits, [SamplerInput(s.params, s.generator, s.token_ids) for s in sampled]
+        )
+        return StepResult(sampled, tokens, logprobs)
+
+    def _forward(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
         # Sequences under one adapter sit next to each other, so each adapter's tokens are one
         # segment of the flat batch. Base-model sequences (no adapter) go first.
-        ordered = sorted(scheduled, key=lambda s: -1 if s.adapter is None else s.adapter.first_page)
+        ordered = sorted(
+            plan.scheduled, key=lambda s: -1 if s.adapter is None else s.adapter.first_page
+        )
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -79,7 +107,7 @@ class ModelRunner:
             LoraBatch(segments, self.lora_mode) if segments else None,
             torch.tensor(logits_rows, device=self.device, dtype=torch.long),
         )
-        return StepResult(sampled, logits)
+        return logits, sampled
 
     def _context_slots(self, table: list[int], ctx: int) -> torch.Tensor:
         blocks = torch.tensor(table[: -(-ctx // self.block_size)], device=self.device)

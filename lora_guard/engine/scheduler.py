@@ -7,26 +7,26 @@ are brought into the pool, oldest need first, evicting adapters whose residency 
 KV kept. Then waiting sequences whose adapter is resident are admitted while the token budget, the
 sequence cap and the KV pool allow. When blocks run out, the most recently admitted running
 sequence is preempted: its blocks are freed and it is recomputed later.
+
+The scheduler owns the block manager and the adapters' residency: it binds each sequence's
+prefix-cache namespace (``lora_guard_cache_namespace``) and decides on cached blocks computed
+under other weights (``lora_guard_cache_reuse``).
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from lora_guard.engine.kv_cache import BlockManager
+from lora_guard.engine.kv_cache import Block, BlockManager
 from lora_guard.engine.lora.checkpoint import AdapterError
 from lora_guard.engine.lora.residency import Lookup, ResidencyManager, Resident
 from lora_guard.engine.sequence import Sequence, Status
 from lora_guard.plugins.decisions import Defer, Load, Reject
 from lora_guard.plugins.manager import Hooks
 from lora_guard.plugins.state import EngineState, SlotView
-
-# Sets a sequence's prefix-cache namespace and scope once its adapter's weights are known.
-CacheBinder = Callable[[Sequence, str | None], None]
 
 
 @dataclass(slots=True)
@@ -50,6 +50,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[Failure] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # KV blocks to copy, (from, to)
 
     @property
     def num_tokens(self) -> int:
@@ -61,17 +62,16 @@ class Scheduler:
         self,
         blocks: BlockManager,
         adapters: ResidencyManager,
-        bind_cache: CacheBinder,
+        hooks: Hooks,
+        model_id: str,
         max_batch_tokens: int,
         max_num_seqs: int,
-        hooks: Hooks,
         reject_when_busy: bool = True,
         page_bytes: int = 0,
     ) -> None:
-        self.blocks, self.adapters, self.bind_cache = blocks, adapters, bind_cache
+        self.blocks, self.adapters, self.hooks, self.model_id = blocks, adapters, hooks, model_id
         self.reject_when_busy, self.page_bytes = reject_when_busy, page_bytes
         self.max_batch_tokens, self.max_num_seqs = max_batch_tokens, max_num_seqs
-        self.hooks = hooks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_steps = 0
@@ -179,7 +179,37 @@ class Scheduler:
         for seq in self.waiting:
             seq.waited_steps += 1
         self.num_steps += 1
+        out.copies, self.blocks.pending_copies = self.blocks.pending_copies, []
         return out
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """The step ran: its tokens are computed, and the blocks they filled are published."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.blocks.commit(item.seq)
+
+    def end_step(self) -> None:
+        """The step is over, run or failed: no request computes with any adapter now."""
+        self.adapters.end_step()
+
+    # prefix cache
+    def bind_cache(self, seq: Sequence, content_hash: str | None) -> None:
+        """Set ``seq``'s prefix-cache scope (the weights its KV is computed under) and namespace
+        (the key its blocks are shared by: the scope, unless a plugin says otherwise)."""
+        scope = ("base", self.model_id, "adapter", seq.adapter_id, "weights", content_hash)
+        namespace = None
+        if self.hooks.has("lora_guard_cache_namespace"):
+            namespace = self.hooks.cache_namespace(
+                request=seq.view(), base_model_id=self.model_id, adapter_hash=content_hash
+            )
+        seq.cache_scope = scope
+        seq.cache_namespace = scope if namespace is None else namespace
+
+    def may_reuse(self, block: Block, seq: Sequence) -> bool:
+        """Whether ``seq`` may reuse a cached block computed under other weights."""
+        return self.hooks.cache_reuse(
+            request=seq.view(), block_scope=block.scope, request_scope=seq.cache_scope
+        )
 
     def _bring_in_adapters(self, out: SchedulerOutput, waiting: list[Sequence]) -> None:
         """Bring in the adapters that parked and waiting sequences need, the oldest need first."""
@@ -336,11 +366,11 @@ class Scheduler:
                 )))  # fmt: skip
                 continue
             self.bind_cache(seq, entry.content_hash if entry else None)
-            while not self.blocks.can_allocate(seq, budget):
+            while not self.blocks.can_allocate(seq, budget, self.may_reuse):
                 if not self.adapters.evict_for_kv(keep=entry):
                     break
                 self._state = None
-            if not self.blocks.can_allocate(seq, budget):
+            if not self.blocks.can_allocate(seq, budget, self.may_reuse):
                 break
             seq.adapter_hash = entry.content_hash if entry else None
             self._admit(out, seq, budget, entry)
@@ -371,7 +401,7 @@ class Scheduler:
             if not bound:
                 continue
             self.bind_cache(seq, content_hash)
-            if not self.blocks.can_allocate(seq, budget):
+            if not self.blocks.can_allocate(seq, budget, self.may_reuse):
                 self._unbind(seq)
                 break
             self._admit(out, seq, budget, None)
@@ -380,7 +410,7 @@ class Scheduler:
     def _admit(
         self, out: SchedulerOutput, seq: Sequence, budget: int, entry: Resident | None
     ) -> None:
-        self.blocks.allocate(seq)
+        self.blocks.allocate(seq, self.may_reuse)
         n = min(seq.num_uncomputed_tokens, budget)
         self.blocks.append(seq, n)
         self.waiting.remove(seq)
@@ -440,6 +470,19 @@ class Scheduler:
         if seq.holds_merged:
             self.adapters.release_merged()
             seq.holds_merged = False
+
+    def check_no_leaks(self) -> None:
+        """Raise AssertionError unless no sequence is left and no block or slot is held."""
+        blocks, adapters = self.blocks, self.adapters
+        assert blocks.num_used_blocks == 0, f"{blocks.num_used_blocks} KV blocks leaked"
+        held = adapters.merged_refs + sum(e.in_step for e in adapters.residents())
+        assert held == 0, f"{held} adapter references leaked"
+        pages = sum(e.num_pages for e in adapters.residents())
+        assert pages == adapters.top == len(blocks.reserved), (
+            f"adapter pages leaked: {pages} in residents, top {adapters.top}, "
+            f"{len(blocks.reserved)} reserved"
+        )
+        assert not self.has_work(), "scheduler still holds sequences"
 
 
 class _Rejected(Exception):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lora_guard import LLM, SamplingParams
-from lora_guard.engine import RequestError
+from lora_guard.engine import UnknownAdapterError
 from lora_guard.engine.async_engine import AsyncEngine
 
 
@@ -74,5 +74,5 @@ def test_bad_request_raises_before_any_output(engine: AsyncEngine) -> None:
         async for _ in engine.generate("hello", adapter_id="no-such-adapter"):
             pass
 
-    with pytest.raises(RequestError, match="not known"):
+    with pytest.raises(UnknownAdapterError, match="not known"):  # raised on the engine thread
         asyncio.run(bad())

@@ -294,12 +294,12 @@ def test_may_reuse_decides_scope_mismatches_and_they_are_still_counted() -> None
         seen.append((block.scope, seq.cache_scope))
         return True
 
-    bm = BlockManager(num_blocks=8, block_size=4, may_reuse=observe)
+    bm = BlockManager(num_blocks=8, block_size=4)
     tokens = list(range(9))
     prefill(bm, make_seq(tokens, request_id="a", scope="weights-a"))
 
     second = make_seq(tokens, request_id="b", scope="weights-b")
-    bm.allocate(second)
+    bm.allocate(second, observe)
 
     assert second.num_cached_tokens == 8
     assert bm.stats.conflicts == 2  # one per reused block
@@ -308,13 +308,12 @@ def test_may_reuse_decides_scope_mismatches_and_they_are_still_counted() -> None
 
 def test_may_reuse_is_not_asked_when_scopes_match() -> None:
     asked: list[int] = []
-    bm = BlockManager(num_blocks=8, block_size=4,
-                      may_reuse=lambda block, seq: bool(asked.append(1)))  # fmt: skip
+    bm = BlockManager(num_blocks=8, block_size=4)
     tokens = list(range(9))
     prefill(bm, make_seq(tokens, request_id="a"))
 
     second = make_seq(tokens, request_id="b")
-    bm.allocate(second)
+    bm.allocate(second, lambda block, seq: bool(asked.append(1)))
 
     assert second.num_cached_tokens == 8
     assert asked == [] and bm.stats.conflicts == 0
@@ -326,10 +325,9 @@ def test_may_reuse_can_refuse_part_of_a_prefix() -> None:
     first = make_seq(tokens, request_id="a", scope="weights-a")
     prefill(bm, first)
     refused_block = first.block_table[1]
-    bm.may_reuse = lambda block, seq: block.block_id != refused_block
 
     second = make_seq([*tokens, 1], request_id="b", scope="weights-b")
-    bm.allocate(second)
+    bm.allocate(second, lambda block, seq: block.block_id != refused_block)
 
     assert second.num_cached_tokens == 4
     assert second.block_table == first.block_table[:1]

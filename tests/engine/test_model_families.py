@@ -194,7 +194,7 @@ def test_bfloat16_runs_base_and_adapter(tiny_model: Path, tmp_path: Path) -> Non
     )
     try:
         assert llm.engine.model.embed.dtype == torch.bfloat16
-        assert llm.engine.kv_cache.k.dtype == torch.bfloat16
+        assert llm.engine.runner.kv_cache.k.dtype == torch.bfloat16
         vocab = llm.engine.model.spec.vocab_size
         adapter_ids = [None, "a", None, "a"]
         outs = llm.generate(PROMPTS, PARAMS, adapter_ids=adapter_ids)

@@ -443,5 +443,5 @@ class ResidencyManager:
 
 
 def _scope_adapter(scope: object) -> object:
-    """The adapter id in a KV block's scope (see ``LLMEngine.bind_cache``)."""
+    """The adapter id in a KV block's scope (see ``Scheduler.bind_cache``)."""
     return scope[3] if isinstance(scope, tuple) and len(scope) > 3 else None

@@ -1,0 +1,148 @@
+"""From settings to an engine: makes each part and hands it to its owner. The runner gets the
+model and the cache pool, the residency manager the adapters, the scheduler the block manager and
+the residency manager, the engine the scheduler and the runner."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from lora_guard.engine.config import ConfigError, EngineConfig
+from lora_guard.engine.kv_cache import BlockManager
+from lora_guard.engine.llm_engine import LLMEngine
+from lora_guard.engine.lora.checkpoint import read_adapter
+from lora_guard.engine.lora.loader import AdapterLoader, HostCache
+from lora_guard.engine.lora.pool import CachePool
+from lora_guard.engine.lora.registry import AdapterRegistry
+from lora_guard.engine.lora.residency import ResidencyManager
+from lora_guard.engine.model import LlamaModel, ModelSpec
+from lora_guard.engine.request_check import RequestCheck
+from lora_guard.engine.runner import ModelRunner
+from lora_guard.engine.scheduler import Scheduler
+from lora_guard.plugins.manager import Hooks, make_plugin_manager
+from lora_guard.plugins.options import id_list
+
+MIN_KV_BLOCKS = 4
+
+
+def build_engine(
+    hooks: Hooks,
+    policies: tuple[str, ...],
+    settings: dict[str, Any],
+    adapters: dict[str, str | Path] | None = None,
+    adapter_dir: str | Path | None = None,
+    **config: Any,
+) -> LLMEngine:
+    """An engine with ``hooks`` configured: the one path from settings to an engine, for the
+    offline API and the server alike."""
+    static_adapter = settings.get("static_adapter")
+    if "static" in policies and not static_adapter:
+        raise ConfigError(
+            'policy static needs the adapter to serve: settings={"static_adapter": ID}'
+        )
+    engine_config = EngineConfig(
+        **config,
+        lora_mode="merged" if {"static", "on-demand"} & set(policies) else "slots",
+        static_adapter=static_adapter if "static" in policies else None,
+    )
+    hooks.configure({**asdict(engine_config), **settings})
+    engine = engine_from_config(engine_config, hooks, adapters, adapter_dir)
+    usage = engine.adapters.usage  # the engine keeps the pins and the heat
+    usage.arrivals.window_s = float(settings.get("heat_window_s", usage.arrivals.window_s))
+    usage.pin(*id_list(settings.get("pin")))
+    return engine
+
+
+def engine_from_config(
+    config: EngineConfig,
+    hooks: Hooks | None = None,
+    adapters: dict[str, str | Path] | None = None,
+    adapter_dir: str | Path | None = None,
+) -> LLMEngine:
+    """The engine's parts, made from ``config`` and wired together."""
+    from transformers import AutoTokenizer
+
+    hooks = hooks if hooks is not None else Hooks(make_plugin_manager())
+    model_dir = Path(config.model).expanduser()
+    model = LlamaModel(model_dir, config.torch_dtype, config.torch_device)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model_id = config.model_id or model_name(model_dir, model.config)
+    spec = model.spec
+    page_bytes = CachePool.page_bytes(spec, config.block_size, config.torch_dtype)
+    num_pages = config.cache_bytes() // page_bytes
+    if num_pages < MIN_KV_BLOCKS:
+        raise ConfigError(
+            f"the cache pool ({config.cache_bytes()} bytes) holds {num_pages} pages of "
+            f"{page_bytes} bytes; at least {MIN_KV_BLOCKS} are needed"
+        )
+    pool = CachePool(spec, num_pages, config.block_size, config.torch_dtype, config.torch_device)
+    runner = ModelRunner(
+        model, pool, config.lora_compute, merge_for_good=config.static_adapter is not None
+    )
+    blocks = BlockManager(num_pages, config.block_size, config.enable_prefix_caching)
+    merged = config.lora_mode == "merged"
+    residency = ResidencyManager(
+        None if merged else pool,
+        blocks,
+        HostCache(config.max_cpu_loras),
+        AdapterLoader(spec, config.max_lora_rank),
+        AdapterRegistry(),
+        max_loras=config.max_loras,
+        quantum_s=config.residency_quantum_ms / 1000,
+        events=hooks,
+        merge=runner.merge if merged else None,
+    )
+    if adapter_dir is not None:
+        residency.registry.add_dir(Path(adapter_dir).expanduser())
+    for adapter_id, path in (adapters or {}).items():
+        residency.register(adapter_id, Path(path).expanduser())
+    if config.static_adapter is not None:
+        merge_static(residency, config.static_adapter, spec, config.max_lora_rank)
+    scheduler = Scheduler(
+        blocks, residency, hooks, model_id, config.max_batch_tokens, config.max_num_seqs,
+        reject_when_busy=config.reject_when_busy, page_bytes=page_bytes,
+    )  # fmt: skip
+    check = RequestCheck(
+        residency.registry,
+        spec.vocab_size,
+        max_model_len(config, spec, num_pages),
+        config.static_adapter,
+    )
+    return LLMEngine(config, hooks, tokenizer, model_id, scheduler, runner, check)
+
+
+def max_model_len(config: EngineConfig, spec: ModelSpec, num_pages: int) -> int:
+    """The longest request, prompt and generated tokens: what the model, the pool, the settings
+    and a sliding window allow."""
+    limits = [spec.max_position_embeddings, num_pages * config.block_size]
+    if config.max_model_len:
+        limits.append(config.max_model_len)
+    if spec.sliding_window:
+        limits.append(spec.sliding_window)
+    return min(limits)
+
+
+def merge_static(residency: ResidencyManager, adapter_id: str, spec: ModelSpec, rank: int) -> None:
+    """The static baseline: one adapter merged for good before serving starts."""
+    entry = residency.registry.get(adapter_id)
+    if entry is None:
+        raise ConfigError(f"static adapter {adapter_id!r} is not among the adapters")
+    residency.host.put(read_adapter(adapter_id, entry.path, spec, rank))
+    binding = residency.acquire_merged(adapter_id)
+    assert binding is not None
+    residency.release_merged()
+
+
+def model_name(model_dir: Path, hf_config: Any) -> str:
+    """The base model's name for ``/info``, ``/v1/models`` and responses, never a path: the name
+    its manifest or config records (``SmolLM2-135M-Instruct`` of ``HuggingFaceTB/...``), else
+    the checkpoint folder's name."""
+    from lora_guard.manifest import read_manifest
+
+    manifest = read_manifest(model_dir) or {}
+    recorded = manifest.get("info", {}).get("model_id") or getattr(hf_config, "name_or_path", "")
+    recorded = str(recorded or "")
+    if recorded and not Path(recorded).expanduser().exists() and not recorded.startswith("/"):
+        return recorded.rstrip("/").rsplit("/", 1)[-1]
+    return model_dir.resolve().name
