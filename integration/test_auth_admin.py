@@ -131,6 +131,12 @@ def test_load_unload_pin_at_run_time(
     )
     assert r.status_code == 200
     assert generate(server.url, "late-00", "ops-secret-key").status_code == 422
+    # Gone now: the engine, which alone knows the adapters, says so to every admin route.
+    gone = {"error": "adapter 'late-00' is not known", "error_type": "not_found"}
+    for path, body in (("/v1/adapters/late-00/pin", None), ("/v1/adapters/late-00/unpin", None),
+                       ("/v1/unload_lora_adapter", {"lora_name": "late-00"})):  # fmt: skip
+        r = httpx.post(server.url + path, headers=ops, json=body)
+        assert (r.status_code, r.json()) == (404, gone), path
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
+from lora_guard.engine.errors import UnknownAdapterError
 from lora_guard.engine.llm_engine import LLMEngine
 from lora_guard.engine.lora import AdapterError, read_adapter
 from lora_guard.engine.lora.registry import valid_adapter_id
@@ -123,9 +124,15 @@ async def load_lora_adapter(body: LoadAdapter, request: Request) -> PlainTextRes
 async def unload_lora_adapter(body: UnloadAdapter, request: Request) -> PlainTextResponse:
     state = _admin(request)
     name = _name(body.lora_name)
-    if not state.llm.adapters.knows(name):
-        raise not_found(f"adapter {name!r} is not known")
-    await state.engine.call(lambda engine: engine.adapters.unregister(name))
+
+    def unload(engine: LLMEngine) -> None:
+        _known(engine, name)
+        engine.adapters.unregister(name)
+
+    try:
+        await state.engine.call(unload)
+    except UnknownAdapterError as exc:
+        raise not_found(str(exc)) from None
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
@@ -142,10 +149,9 @@ async def unpin(adapter_id: str, request: Request) -> dict[str, Any]:
 async def _pinning(request: Request, adapter_id: str, *, pin: bool) -> dict[str, Any]:
     state = _admin(request)
     name = _name(adapter_id)
-    if not state.llm.adapters.knows(name):
-        raise not_found(f"adapter {name!r} is not known")
 
     def change(engine: LLMEngine) -> list[str]:
+        _known(engine, name)
         usage = engine.adapters.usage  # the engine's pins: the policies and metrics read them
         if pin:
             usage.pin(name)
@@ -155,6 +161,14 @@ async def _pinning(request: Request, adapter_id: str, *, pin: bool) -> dict[str,
 
     try:
         pinned = await state.engine.call(change)
+    except UnknownAdapterError as exc:
+        raise not_found(str(exc)) from None
     except ValueError as exc:
         raise validation(str(exc)) from None
     return {"pinned": pinned}
+
+
+def _known(engine: LLMEngine, name: str) -> None:
+    """On the engine thread, the one place that knows which adapters exist."""
+    if not engine.adapters.knows(name):
+        raise UnknownAdapterError(f"adapter {name!r} is not known")
