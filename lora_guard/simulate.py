@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from lora_guard.bench.stats import percentile
 from lora_guard.serve_ray.ranking import AffinityRanker, ReplicaView
 
 ROUTERS = ("lora-guard", "ray-multiplex", "power-of-two")
@@ -191,6 +192,8 @@ class _Fleet:
 
 
 class Router(Protocol):
+    now: float  # the simulated time, set before each choice
+
     def choose(self, adapter_id: str | None, views: list[ReplicaView]) -> str: ...
 
 
@@ -258,7 +261,7 @@ def simulate(
     fleet = _Fleet(
         [Replica(f"r{i}", slots, max_num_seqs, costs, quantum_s) for i in range(replicas)], events
     )
-    router: AffinityRouter | PowerOfTwoRouter
+    router: Router
     if router_name == "lora-guard":
         router = AffinityRouter()
     elif router_name in ("ray-multiplex", "power-of-two"):
@@ -301,8 +304,8 @@ def simulate(
         completed=sum(o.finish is not None for o in outcomes),
         loads=sum(r.loads for r in fleet.replicas),
         hit_rate=sum(o.hit for o in outcomes) / len(outcomes),
-        ttft_p50_ms=_percentile(ttft, 50),
-        ttft_p95_ms=_percentile(ttft, 95),
+        ttft_p50_ms=percentile(ttft, 50) or 0.0,
+        ttft_p95_ms=percentile(ttft, 95) or 0.0,
         busiest_share=max(per_replica) / len(outcomes),
     )
 
@@ -336,14 +339,6 @@ def replica_capacity(
         costs.step(batch, 1, 0) * output_mean + costs.prefill_per_token_ms * prompt_mean * batch
     ) / 1000
     return batch / seconds
-
-
-def _percentile(ordered: list[float], q: float) -> float:
-    if not ordered:
-        return 0.0
-    rank = (len(ordered) - 1) * q / 100
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

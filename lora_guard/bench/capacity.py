@@ -28,7 +28,7 @@ class Capacity:
 def capacity_prompts(spec: WorkloadSpec, adapter_ids: list[str]) -> list[tuple[str, int]]:
     """``CAPACITY_BATCH`` (prompt, max_new_tokens) pairs drawn as the trace draws them."""
     sample = make_trace(replace(spec, requests=CAPACITY_BATCH, scenario="zipf"), adapter_ids)
-    return [(r.prompt, r.max_new_tokens) for r in sample[:CAPACITY_BATCH]]
+    return [(r.prompt, r.max_new_tokens) for r in sample]
 
 
 def measure_capacity(prompts: list[tuple[str, int]], options: EngineOptions) -> Capacity:

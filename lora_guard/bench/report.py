@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 from lora_guard.bench.hit_rate import belady_hit_rate, compulsory_hit_bound
 from lora_guard.bench.replay import RequestRecord, SchemeRun
+from lora_guard.bench.stats import median, percentile
 
 MIB = 2**20
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (0-100), interpolated between ranks; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def request_tokens_per_s(record: RequestRecord) -> float | None:
@@ -120,11 +110,6 @@ def summarize(
 # Counts add up over seeds; every other figure is the median of the seeds' figures.
 _SUMMED = frozenset({"requests", "completed", "failed", "retries", "swaps", "generated_tokens",
                      "kv_conflicts", "oracle_mismatches"})  # fmt: skip
-
-
-def median(values: Sequence[float]) -> float:
-    middle = percentile(values, 50)
-    return 0.0 if middle is None else middle
 
 
 def aggregate(per_seed: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:

@@ -40,7 +40,8 @@ from lora_guard.bench.replay import (
     adapter_ids,
     replay_scheme,
 )
-from lora_guard.bench.report import aggregate, markdown_table, median, summarize
+from lora_guard.bench.report import aggregate, markdown_table, summarize
+from lora_guard.bench.stats import median
 from lora_guard.bench.target import replay_target
 from lora_guard.bench.vllm_peer import PeerError
 from lora_guard.bench.workload import (

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_guard.bench.report import percentile
+from lora_guard.bench.stats import percentile
 from lora_guard.bench.workload import (
     TraceError,
     WorkloadSpec,
