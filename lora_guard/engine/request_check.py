@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lora_guard.engine.errors import RequestError, UnknownAdapterError
+from lora_guard.engine.errors import RequestError
 from lora_guard.engine.lora.registry import AdapterRegistry
 from lora_guard.engine.sampling import SamplingParams
 
@@ -17,8 +17,8 @@ class RequestCheck:
     static_adapter: str | None = None  # the static baseline serves this adapter only
 
     def adapter(self, adapter_id: str | None) -> None:
-        if adapter_id is not None and adapter_id not in self.registry:
-            raise UnknownAdapterError(f"adapter {adapter_id!r} is not known")
+        if adapter_id is not None:
+            self.registry.require(adapter_id)
         static = self.static_adapter
         if static is not None and adapter_id != static:
             raise RequestError(

@@ -22,7 +22,7 @@ from types import MappingProxyType
 
 from lora_guard.engine.kv_cache import Block, BlockManager
 from lora_guard.engine.lora.checkpoint import AdapterError
-from lora_guard.engine.lora.residency import Lookup, ResidencyManager, Resident
+from lora_guard.engine.lora.residency import Lookup, Need, ResidencyManager, Resident
 from lora_guard.engine.sequence import Sequence, Status
 from lora_guard.plugins.decisions import Defer, Load, Reject
 from lora_guard.plugins.manager import Hooks
@@ -80,10 +80,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-        if seq.adapter_id is not None:
-            self.adapters.usage.arrived(seq.tenant_id, seq.adapter_id)
-            if self.adapters.reread_if_changed(seq.adapter_id):
-                self._state = None
+        if seq.adapter_id is not None and self.adapters.arrived(seq):
+            self._state = None  # its files changed on disk: read again
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -216,7 +214,7 @@ class Scheduler:
         now = time.monotonic()
 
         def needs(seq: Sequence) -> bool:
-            if seq.adapter_id is None or self._resident_for(seq) is not None:
+            if seq.adapter_id is None or self.adapters.need(seq).resident is not None:
                 return False
             if seq.adapter_needed_at is None:
                 seq.adapter_needed_at = now
@@ -233,14 +231,16 @@ class Scheduler:
             assert seq.adapter_id is not None
             tried.add(seq.adapter_id)
             parked = seq.status is Status.RUNNING
-            if parked and self._version_gone(seq):
+            need = self.adapters.need(seq)
+            if parked and need.version_gone:
                 # Its weights were replaced while it was parked: start it again under the new
                 # ones rather than mix two versions in one KV.
                 self.preempt(seq)
                 out.preempted.append(seq)
                 parked = False
+                need = self.adapters.need(seq)
             try:
-                self._bring_in(seq, parked)
+                self._bring_in(seq, parked, need)
             except AdapterError as exc:
                 for other in [s for s in (*self.running, *self.waiting)
                               if s.adapter_id == seq.adapter_id]:  # fmt: skip
@@ -250,27 +250,15 @@ class Scheduler:
                 self.finish(seq)
                 out.failed.append(Failure(seq, rejected.reason, rejected.retry_after))
 
-    def _version_gone(self, seq: Sequence) -> bool:
-        """Whether the weights ``seq`` started under are neither resident nor current."""
-        assert seq.adapter_id is not None
-        if seq.adapter_hash is None:
-            return False
-        if self.adapters.version(seq.adapter_id, seq.adapter_hash) is not None:
-            return False
-        current = self.adapters.host.entries.get(seq.adapter_id)
-        return current is not None and current.content_hash != seq.adapter_hash
-
-    def _bring_in(self, seq: Sequence, parked: bool) -> None:
+    def _bring_in(self, seq: Sequence, parked: bool, need: Need) -> None:
         """Ask the policies, then the pool, for ``seq``'s adapter (adapter-load decisions)."""
-        assert seq.adapter_id is not None
-        tier = self.adapters.tier(seq.adapter_id)
+        tier = need.tier
         self._note_lookup(seq, tier)
         seat = None
-        evicts = tier is Lookup.WARM and self.adapters.needs_eviction(seq.adapter_id)
         if tier in (Lookup.WARM, Lookup.COLD) and self.hooks.has("lora_guard_adapter_load"):
             decision = self.hooks.adapter_load(
                 request=seq.view(), tier=tier.value, state=self.state(), parked=parked,
-                evicts=evicts,
+                evicts=need.evicts,
             )  # fmt: skip
             if isinstance(decision, Defer):
                 return
@@ -282,10 +270,8 @@ class Scheduler:
                 seat = decision.slot
         if tier is Lookup.LOADING:
             return
-        if self.adapters.acquire(seq.adapter_id, seat, self.running) is not None:
+        if self.adapters.acquire(need, seat, self.running, parked=parked) is not None:
             self._state = None  # the pool changed
-            if evicts and not parked:
-                self.adapters.usage.evicting_loads.add(seq.adapter_id)
 
     def _note_lookup(self, seq: Sequence, tier: Lookup) -> None:
         if seq.adapter_looked_up or tier is Lookup.LOADING:
@@ -294,18 +280,17 @@ class Scheduler:
         self.adapters.stats.lookups[tier] += 1
         self.hooks.notify("lora_guard_adapter_lookup", request=seq.view(), result=tier.value)
 
-    def _resident_for(self, seq: Sequence) -> Resident | None:
-        """The pool entry ``seq`` computes with, if it is resident."""
-        assert seq.adapter_id is not None
-        if seq.adapter_hash is not None and seq.status is Status.RUNNING:
-            return self.adapters.version(seq.adapter_id, seq.adapter_hash)
-        return self.adapters.current(seq.adapter_id)
-
-    def _ready(self, seq: Sequence) -> tuple[bool, Resident | None]:
-        """Whether ``seq`` can compute this step, and the adapter weights it computes with."""
+    def _need(self, seq: Sequence) -> Need | None:
+        """Where ``seq``'s adapter stands; None for the base model, and in merged mode."""
         if seq.adapter_id is None or self.adapters.merged_mode:
+            return None
+        return self.adapters.need(seq)
+
+    def _ready(self, seq: Sequence, need: Need | None) -> tuple[bool, Resident | None]:
+        """Whether ``seq`` can compute this step, and the adapter weights it computes with."""
+        if need is None:
             return True, None
-        entry = self._resident_for(seq)
+        entry = need.resident
         if entry is None:
             if seq.status is Status.RUNNING and seq.parked_since is None:
                 seq.parked_since = seq.adapter_needed_at = time.monotonic()
@@ -324,7 +309,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            ready, entry = self._ready(seq)
+            ready, entry = self._ready(seq, self._need(seq))
             if not ready:
                 i += 1  # parked: its KV stays, its adapter comes back in a later step
                 continue
@@ -353,9 +338,10 @@ class Scheduler:
                 break
             if seq.status is not Status.WAITING:
                 continue  # failed or rejected this step
-            if seq.adapter_id is not None:
-                self._note_lookup(seq, self.adapters.tier(seq.adapter_id))
-            ready, entry = self._ready(seq)
+            need = self._need(seq)
+            if need is not None:
+                self._note_lookup(seq, need.tier)
+            ready, entry = self._ready(seq, need)
             if not ready:
                 continue  # its adapter is loading or deferred; the others go on
             if entry is not None and self._never_fits(seq, entry):
@@ -423,8 +409,8 @@ class Scheduler:
         Returns the weights' content hash (None for the base model)."""
         evicts = False
         if seq.adapter_id is not None:
-            tier = self.adapters.tier(seq.adapter_id)
-            evicts = tier is Lookup.WARM and self.adapters.merged is not None
+            need = self.adapters.need(seq)
+            tier, evicts = need.tier, need.evicts
             if tier in (Lookup.WARM, Lookup.COLD) and self.hooks.has("lora_guard_adapter_load"):
                 decision = self.hooks.adapter_load(
                     request=seq.view(), tier=tier.value, state=self.state(), parked=False,
@@ -437,12 +423,10 @@ class Scheduler:
                         return False, None
                     raise _Rejected(decision.reason, decision.retry_after)
             self._note_lookup(seq, tier)
-        binding = self.adapters.acquire_merged(seq.adapter_id)
+        binding = self.adapters.acquire_merged(seq.adapter_id, evicts=evicts)
         if binding is None:
             return False, None
         self._state = None
-        if evicts and seq.adapter_id is not None:
-            self.adapters.usage.evicting_loads.add(seq.adapter_id)
         seq.holds_merged = True
         return True, binding.content_hash
 

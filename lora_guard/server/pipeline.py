@@ -16,7 +16,6 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from lora_guard.engine.llm_engine import RequestOutput
-from lora_guard.engine.lora.registry import valid_adapter_id
 from lora_guard.engine.sampling import InvalidParams, SamplingParams
 from lora_guard.server.errors import APIError, validation
 from lora_guard.server.state import ServerState, state_of
@@ -102,12 +101,10 @@ def _tenant(request: Request) -> str:
 
 
 def _adapter(state: ServerState, name: str | None) -> str | None:
-    """The adapter id a request names, None for the base model. Whether it exists is the
-    engine's to say."""
+    """The adapter id a request names, None for the base model. Whether it is a valid id and
+    exists is the engine's to say."""
     if name is None or name in ("", "tgi", state.model_id):
         return None
-    if not valid_adapter_id(name):
-        raise validation(f"invalid adapter id {name!r}: use letters, digits, '-', '_' and '.'")
     return name
 
 

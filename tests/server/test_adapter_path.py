@@ -1,5 +1,10 @@
-"""A request's adapter id goes from the route to the engine through one pipeline: it enters each
-server file once, whichever route it came by, and only the engine says whether it exists."""
+"""A request's adapter id goes from the route to the KV key through one pipeline: it enters each
+file once, whichever route it came by; the engine's door alone says whether it is valid and
+exists; past the door the id travels inside the request's sequence, which the scheduler and the
+residency manager are handed instead of the id, and the scheduler binds its KV scope once.
+
+Besides the door, the registry is asked one other question, in one place: where an adapter's
+files are, when the residency manager reads its weights (``ResidencyManager._registration``)."""
 
 from __future__ import annotations
 
@@ -21,7 +26,6 @@ import lora_guard
 from lora_guard import LLM
 from lora_guard.adapter_maker import make_adapters
 from lora_guard.engine.async_engine import AsyncEngine
-from lora_guard.server import pipeline
 from lora_guard.server.app import create_app
 from lora_guard.server.auth import ApiKey, KeyRing
 from lora_guard.server.state import Limits, ServerState
@@ -31,7 +35,7 @@ ADAPTER = "path-00"
 KEY = {"Authorization": "Bearer app-secret"}
 TGI = {"adapter_id": ADAPTER, "max_new_tokens": 2}
 ROUTES = [
-    ("/generate", {"inputs": "hello", "parameters": TGI}),
+    ("/generate", {"inputs": "hello " * 40, "parameters": TGI}),  # fills KV blocks
     ("/generate_stream", {"inputs": "hi", "parameters": TGI}),
     ("/", {"inputs": "hey", "stream": True, "parameters": TGI}),
     ("/v1/completions", {"model": ADAPTER, "prompt": "hello", "max_tokens": 2}),
@@ -115,12 +119,26 @@ def test_the_adapter_id_enters_each_server_file_once(state: ServerState) -> None
     entries = trace.entries()
     server = [file for file in entries if file.startswith("lora_guard/server/")]
     assert {"lora_guard/server/auth.py", "lora_guard/server/state.py"} <= set(server)
-    for file in [*server, "lora_guard/engine/async_engine.py"]:
+    door = [
+        "lora_guard/engine/async_engine.py",  # the bridge from the HTTP threads
+        "lora_guard/engine/llm_engine.py",  # add_request
+        "lora_guard/engine/request_check.py",  # valid and registered, asked once
+        "lora_guard/engine/lora/registry.py",
+    ]
+    for file in [*server, *door[:-1]]:
         assert len(entries[file]) == 1, (file, entries[file])
-    assert "lora_guard/engine/llm_engine.py" in entries  # it reached the engine
+    asked = {(where.rpartition(":")[0], name) for where, name in entries[door[-1]]}
+    assert asked == {
+        ("lora_guard/engine/request_check.py", "AdapterRegistry.require"),  # the door
+        ("lora_guard/engine/lora/residency.py", "AdapterRegistry.get"),  # the weights' files
+    }, entries[door[-1]]
+    assert len(entries[door[-1]]) == 2, entries[door[-1]]
+    # Past the door the scheduler, the residency manager and the block manager get the sequence.
+    for file in ("scheduler.py", "lora/residency.py", "kv_cache.py", "runner.py"):
+        assert f"lora_guard/engine/{file}" not in entries, entries[f"lora_guard/engine/{file}"]
 
-    # On the threads that serve HTTP the id meets no engine code but the async bridge and the id
-    # rule: whether the adapter exists is asked on the engine's thread only.
+    # On the threads that serve HTTP the id meets no engine code but the async bridge: whether it
+    # is valid and exists is asked on the engine's thread only.
     http = {thread for file, _, _, thread in trace.calls if file.startswith("lora_guard/server/")}
     met = {
         (file, name)
@@ -128,8 +146,10 @@ def test_the_adapter_id_enters_each_server_file_once(state: ServerState) -> None
         if thread in http and not file.startswith("lora_guard/server/")
         and file != "lora_guard/engine/async_engine.py"
     }  # fmt: skip
-    rule = pipeline.valid_adapter_id.__code__
-    assert met <= {(_name(rule), rule.co_name)}, met
+    assert not met, met
+    # ... and it arrives in the KV key: the cached blocks of its prompts are scoped to it.
+    scopes = {block.scope for block in state.llm.blocks.blocks if block.key is not None}
+    assert any(isinstance(s, tuple) and ADAPTER in s for s in scopes), scopes
 
 
 def test_an_unknown_adapter_is_the_engines_answer_in_each_routes_dialect(

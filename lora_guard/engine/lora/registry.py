@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from lora_guard.engine.errors import RequestError, UnknownAdapterError
 from lora_guard.engine.lora.checkpoint import CONFIG_FILE
 
 ADAPTER_ID = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
@@ -66,6 +67,18 @@ class AdapterRegistry:
 
     def get(self, adapter_id: str) -> AdapterEntry | None:
         return self.entries.get(adapter_id)
+
+    def require(self, adapter_id: str) -> AdapterEntry:
+        """The entry of a request's adapter. Raises :class:`RequestError` for an id no adapter
+        can have, :class:`UnknownAdapterError` for one that is not registered."""
+        entry = self.entries.get(adapter_id)
+        if entry is not None:
+            return entry
+        if not valid_adapter_id(adapter_id):
+            raise RequestError(
+                f"invalid adapter id {adapter_id!r}: use letters, digits, '-', '_' and '.'"
+            )
+        raise UnknownAdapterError(f"adapter {adapter_id!r} is not known")
 
     def add(self, adapter_id: str, path: Path, root: Path | None = None) -> None:
         if not valid_adapter_id(adapter_id):

@@ -29,8 +29,8 @@ from lora_guard.engine.kv_cache import BlockManager
 from lora_guard.engine.lora.checkpoint import AdapterError, LoRAAdapter, files_stamp
 from lora_guard.engine.lora.loader import AdapterLoader, HostCache
 from lora_guard.engine.lora.pool import AdapterLayout, CachePool, LayerWeights
-from lora_guard.engine.lora.registry import AdapterRegistry
-from lora_guard.engine.sequence import Sequence
+from lora_guard.engine.lora.registry import AdapterEntry, AdapterRegistry
+from lora_guard.engine.sequence import Sequence, Status
 from lora_guard.engine.usage import AdapterUsage
 from lora_guard.plugins.manager import Hooks
 
@@ -72,6 +72,25 @@ class AdapterStats:
     evictions: int = 0
     changed_on_disk: int = 0  # adapters read again because their files changed
     swap_ms: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Need:
+    """Where a request's adapter stands, seen from that request: the one question the scheduler
+    asks about a request (:meth:`ResidencyManager.need`), answered from one look at the pool."""
+
+    adapter_id: str
+    resident: Resident | None  # the weights it computes with, when they are in the pool
+    where: Lookup | None  # where its current weights are; None: no longer registered
+    evicts: bool  # bringing them in now evicts an adapter that requests still need (thrash)
+    version_gone: bool  # it started under weights that are neither resident nor current
+
+    @property
+    def tier(self) -> Lookup:
+        """Raises :class:`AdapterError` for an adapter no longer registered."""
+        if self.where is None:
+            raise AdapterError(f"adapter {self.adapter_id!r} is not known")
+        return self.where
 
 
 @dataclass(slots=True)
@@ -122,11 +141,18 @@ class ResidencyManager:
         self.registry.add(adapter_id, path, root)
         self._forget(adapter_id)
 
+    def arrived(self, seq: Sequence) -> bool:
+        """A request for ``seq.adapter_id`` arrived: count its heat, and read the adapter again
+        if its files changed on disk (:meth:`reread_if_changed`). True when they had."""
+        assert seq.adapter_id is not None
+        self.usage.arrived(seq.tenant_id, seq.adapter_id)
+        return self.reread_if_changed(seq.adapter_id)
+
     def reread_if_changed(self, adapter_id: str) -> bool:
         """If ``adapter_id``'s files changed on disk since they were read, replace it as
         :meth:`register` does (new requests get the new weights; running ones finish under the
         old). True when they had changed. Merged mode (the baselines) keeps what it merged."""
-        entry = self.registry.get(adapter_id)
+        entry = self._registration(adapter_id)
         if self.merge is not None or entry is None or adapter_id not in self._stamps:
             return False
         if files_stamp(entry.path) == self._stamps[adapter_id]:
@@ -152,7 +178,11 @@ class ResidencyManager:
                 entry.stale = True
 
     def knows(self, adapter_id: str) -> bool:
-        return adapter_id in self.registry
+        return self._registration(adapter_id) is not None
+
+    def _registration(self, adapter_id: str) -> AdapterEntry | None:
+        """Where ``adapter_id``'s files are (the one place residency asks the registry)."""
+        return self.registry.get(adapter_id)
 
     # lookups
     def residents(self) -> list[Resident]:
@@ -165,7 +195,7 @@ class ResidencyManager:
                 return entry
         return None
 
-    def version(self, adapter_id: str, content_hash: str) -> Resident | None:
+    def _version(self, adapter_id: str, content_hash: str) -> Resident | None:
         for entry in self.seats:
             if entry is not None and (entry.adapter_id, entry.content_hash) == (
                 adapter_id,
@@ -176,6 +206,39 @@ class ResidencyManager:
 
     def tier(self, adapter_id: str) -> Lookup:
         """Where ``adapter_id`` is now. Raises :class:`AdapterError` for an unknown adapter."""
+        where = self._where(adapter_id)
+        if where is None:
+            raise AdapterError(f"adapter {adapter_id!r} is not known")
+        return where
+
+    def need(self, seq: Sequence) -> Need:
+        """Where ``seq``'s adapter stands for ``seq``: a running request computes with the
+        version it started under, a waiting one with the current weights."""
+        adapter_id, started_under = seq.adapter_id, seq.adapter_hash
+        assert adapter_id is not None
+        if seq.status is not Status.RUNNING:
+            started_under = None
+        if started_under is None:
+            resident = self.current(adapter_id)
+        else:
+            resident = self._version(adapter_id, started_under)
+        where = self._where(adapter_id)
+        if where is not Lookup.WARM:
+            evicts = False
+        elif self.merge is not None:
+            evicts = self.merged is not None
+        else:
+            evicts = self._needs_eviction(adapter_id)
+        host = self.host.entries.get(adapter_id)
+        gone = (
+            started_under is not None
+            and resident is None
+            and host is not None
+            and host.content_hash != started_under
+        )
+        return Need(adapter_id, resident, where, evicts, gone)
+
+    def _where(self, adapter_id: str) -> Lookup | None:
         if self.current(adapter_id) is not None or (
             self.merged is not None and self.merged.adapter_id == adapter_id
         ):
@@ -184,16 +247,16 @@ class ResidencyManager:
             return Lookup.LOADING
         if adapter_id in self.host.entries:
             return Lookup.WARM
-        if adapter_id not in self.registry:
-            raise AdapterError(f"adapter {adapter_id!r} is not known")
+        if self._registration(adapter_id) is None:
+            return None
         return Lookup.COLD
 
-    def pages_needed(self, adapter_id: str) -> int | None:
+    def _pages_needed(self, adapter_id: str) -> int | None:
         """Pages ``adapter_id`` takes in the pool, when its weights are in host memory."""
         adapter = self.host.entries.get(adapter_id)
         return None if adapter is None or self.pool is None else self._layout(adapter).num_pages
 
-    def needs_eviction(self, adapter_id: str) -> bool:
+    def _needs_eviction(self, adapter_id: str) -> bool:
         """Whether bringing ``adapter_id`` in now must evict an adapter that requests still need
         (thrash). Taking a free seat and free pages, or those of adapters no request needs, is
         not."""
@@ -203,9 +266,9 @@ class ResidencyManager:
         ]
         if all(entry is not None for entry in self.seats) and not idle:
             return True
-        need = self.pages_needed(adapter_id)
+        pages = self._pages_needed(adapter_id)
         room = self.blocks.num_free_blocks + sum(e.num_pages for e in idle)
-        return need is not None and need > room
+        return pages is not None and pages > room
 
     # the step
     def begin_step(self, demand: Counter[str], bound: Counter[tuple[str, str]]) -> None:
@@ -248,14 +311,17 @@ class ResidencyManager:
         return victim.seat
 
     def acquire(
-        self, adapter_id: str, seat: int | None, holders: Iterable[Sequence]
+        self, need: Need, seat: int | None, holders: Iterable[Sequence], *, parked: bool = False
     ) -> Resident | None:
-        """Make ``adapter_id``'s current weights resident, in ``seat`` (or the seat
-        :meth:`choose_seat` picks), evicting what is there. None means wait: its read from disk
-        is under way (started now if it was cold), or no seat or pages can be freed now.
-        ``holders`` are the sequences that hold KV blocks (they may be moved). Raises
+        """Make the current weights of the adapter ``need`` names resident, in ``seat`` (or the
+        seat :meth:`choose_seat` picks), evicting what is there. None means wait: its read from
+        disk is under way (started now if it was cold), or no seat or pages can be freed now.
+        ``holders`` are the sequences that hold KV blocks (they may be moved). A load that
+        evicts an adapter requests still need counts as thrash (``usage.evicting_loads``) unless
+        it is for ``parked`` requests, whose reloads the quantum paces. Raises
         :class:`AdapterError` when the adapter is unknown or cannot fit in the pool at all."""
         assert self.pool is not None, "merged mode has no pool"
+        adapter_id = need.adapter_id
         entry = self.current(adapter_id)
         if entry is not None:
             return entry
@@ -311,6 +377,8 @@ class ResidencyManager:
         )  # fmt: skip
         self.seats[seat] = entry
         self._loaded(adapter_id, seat, started)
+        if need.evicts and not parked:
+            self.usage.evicting_loads.add(adapter_id)
         return entry
 
     def evict_for_kv(self, keep: Resident | None) -> bool:
@@ -355,7 +423,7 @@ class ResidencyManager:
     def _read_from_disk(self, adapter_id: str) -> None:
         self._load_started[adapter_id] = time.perf_counter()
         self.usage.disk_reads.add(adapter_id)
-        entry = self.registry.get(adapter_id)
+        entry = self._registration(adapter_id)
         assert entry is not None
         self.loader.submit(adapter_id, entry.path, entry.root)
 
@@ -366,7 +434,7 @@ class ResidencyManager:
             started = self._load_started.pop(adapter_id, None)
             read_ms = self.loader.read_ms.pop(adapter_id, 0.0)
             if isinstance(result, LoRAAdapter):
-                entry = self.registry.get(adapter_id)
+                entry = self._registration(adapter_id)
                 if entry is not None and entry.path == result.path:
                     self.host.put(result)
                     self._stamps[adapter_id] = result.stamp
@@ -382,9 +450,10 @@ class ResidencyManager:
         return failed
 
     # merged mode
-    def acquire_merged(self, adapter_id: str | None) -> Binding | None:
+    def acquire_merged(self, adapter_id: str | None, *, evicts: bool = False) -> Binding | None:
         """Bind a request to the merged weights of ``adapter_id`` (None: the base model), held
-        until :meth:`release_merged`; None means wait."""
+        until :meth:`release_merged`; None means wait. A merge that ``evicts`` weights requests
+        still need counts as thrash."""
         assert self.merge is not None
         started = time.perf_counter()
         current = self.merged.adapter_id if self.merged is not None else None
@@ -409,6 +478,8 @@ class ResidencyManager:
         self.merged_refs = 1
         if adapter is not None:
             self._loaded(adapter.adapter_id, -1, started)
+            if evicts:
+                self.usage.evicting_loads.add(adapter.adapter_id)
         return Binding(adapter.content_hash if adapter else None)
 
     def release_merged(self) -> None:
