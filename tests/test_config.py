@@ -55,7 +55,7 @@ def test_defaults() -> None:
         assert s.sources[setting.name] == "the default"
     assert s.policies == ("hot-set", "cold-budget", "kv-namespace")
     assert (s.host, s.port, s.max_loras, s.max_num_seqs, s.max_stop_sequences) == (
-        "127.0.0.1", 8080, 8, 64, 4,
+        "127.0.0.1", 8080, 0, 64, 4,
     )  # fmt: skip
     assert s.options["cold_loads_per_minute"] == 6
     assert isinstance(s.hooks, Hooks)
@@ -83,7 +83,7 @@ def test_every_design_flag_that_is_not_a_plugin_option_is_in_the_table() -> None
 @pytest.mark.parametrize(
     ("flag", "env", "file", "expected", "source"),
     [
-        (None, None, None, 8, "the default"),
+        (None, None, None, 0, "the default"),
         (None, None, "3", 3, "config file"),
         (None, "4", "3", 4, "environment variable LORA_GUARD_MAX_LORAS"),
         ("5", "4", "3", 5, "the command line (--max-loras)"),
@@ -218,8 +218,8 @@ def test_unknown_environment_variables(tmp_path: Path) -> None:
     [
         (["--max-loras", "many"], {}, None,
          r"--max-loras: bad value 'many' from the command line \(--max-loras\): expected an int"),
-        ([], {"LORA_GUARD_MAX_LORAS": "0"}, None,
-         r"--max-loras: bad value '0' from environment variable LORA_GUARD_MAX_LORAS: must be at"),
+        ([], {"LORA_GUARD_MAX_LORAS": "-1"}, None,
+         r"--max-loras: bad value '-1' from environment variable LORA_GUARD_MAX_LORAS: must be at"),
         ([], {}, "max_loras = 2.5",
          r"--max-loras: bad value '2.5' from config file .*serve.toml \(key 'max_loras'\)"),
         ([], {}, "max-loras = [1, 2]", r"--max-loras: bad value .* from config file .*max-loras"),
@@ -405,7 +405,7 @@ def test_help_lists_every_flag_its_default_and_its_env_var() -> None:
     assert "--cold-loads-per-minute" in flags
     assert "env LORA_GUARD_COLD_LOADS_PER_MINUTE" in help_text
     assert "env LORA_GUARD_MAX_LORAS" in help_text
-    assert "default: 8;" in help_text and "default: hot-set,cold-budget,kv-namespace;" in help_text
+    assert "default: 0;" in help_text and "default: hot-set,cold-budget,kv-namespace;" in help_text
     # only the server's flags without plugins
     assert "--cold-loads-per-minute" not in build_parser(None).format_help()
 

@@ -71,7 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick and --target: 0)",
     )
     add("--seed", type=int, dest="seeds", action=_OneSeed, help="one seed: --seeds N")
-    add("--max-loras", type=int, default=8, help="device slots")
+    add(
+        "--max-loras",
+        type=int,
+        default=0,
+        help="seats in the cache pool (0, the engine's default: no cap, the pool's pages decide)",
+    )
     add("--max-lora-rank", type=int, default=64)
     add("--kv-cache-memory", default="768MiB")
     add(

@@ -71,7 +71,7 @@ class SchemeRun:
 class EngineOptions:
     model: str
     adapter_dir: str
-    max_loras: int = 8
+    max_loras: int = 0  # no seat cap
     max_lora_rank: int = 64
     kv_cache_memory: str = "768MiB"
     max_num_seqs: int = 64
@@ -168,7 +168,10 @@ def replay_scheme(
         records=records,
         swap_ms=list(engine.adapters.stats.swap_ms[swaps_before:]),
         lookups=recorder.lookups,
-        slots=1 if engine.adapters.merged_mode else engine.config.max_loras,
+        # with no seat cap, the most adapters it ever held at once bounds its hits just as well
+        slots=1
+        if engine.adapters.merged_mode
+        else engine.config.max_loras or engine.adapters.stats.peak_resident,
         kv_conflicts=engine.blocks.stats.conflicts - conflicts_before,
         cold_loads={k: cold_after[k] - cold_before[k] for k in cold_after},
         memory=memory.peak(),

@@ -181,7 +181,8 @@ def _in_process(
         popular = Counter(r.adapter_id for r in trace if r.adapter_id).most_common(1)
         static_id = popular[0][0] if popular else ids[0]
         what = "" if seed is None else f"seed {seed}: "
-        _progress(started, f"{what}{_describe(trace)}; {options.max_loras} slots; static serves "
+        seats = f"{options.max_loras} seats" if options.max_loras else "no seat cap"
+        _progress(started, f"{what}{_describe(trace)}; {seats}; static serves "
                            f"{static_id}")  # fmt: skip
         runs: dict[str, SchemeRun] = {}
         for scheme in schemes:

@@ -53,7 +53,8 @@ def replay_target(
         records=list(records.values()),
         swap_ms=_swap_samples(before, after),
         lookups=lookups,
-        slots=slots,
+        slots=slots
+        or len({r.adapter_id for r in trace if r.adapter_id}),  # no cap given: every adapter
         kv_conflicts=int(_delta(before, after, "lora_guard_kv_namespace_conflict_total")),
         cold_loads={
             outcome: int(_delta(before, after, "lora_guard_cold_loads_total", outcome=outcome))

@@ -111,7 +111,7 @@ def replay_vllm(
         records=list(records.values()),
         swap_ms=[],
         lookups=[],
-        slots=options.max_loras,
+        slots=options.max_loras or len({r.adapter_id for r in trace if r.adapter_id}),
         kv_conflicts=0,
         cold_loads={"loaded": 0, "rejected": 0, "failed": 0},
         memory={},
@@ -131,9 +131,10 @@ def _start(
         "--max-num-seqs", str(options.max_num_seqs),
     ]  # fmt: skip
     if adapters:
-        cmd += ["--enable-lora", "--max-loras", str(options.max_loras),
+        seats = options.max_loras or len(adapters)  # vLLM needs a cap: every adapter, if none
+        cmd += ["--enable-lora", "--max-loras", str(seats),
                 "--max-lora-rank", str(options.max_lora_rank), "--max-cpu-loras",
-                str(max(len(adapters), options.max_loras)), "--lora-modules",
+                str(max(len(adapters), seats)), "--lora-modules",
                 *(f"{a}={Path(options.adapter_dir) / a}" for a in adapters)]  # fmt: skip
     # The KV cache in whole GiB, at least the engine's pool (vLLM takes no finer size).
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(max(1, _gib(options.kv_cache_memory)))}

@@ -214,8 +214,9 @@ class EngineConfig:
     dtype: str | torch.dtype = setting("auto", help="float32, bfloat16, float16 (also fp32, bf16, "
                                        "fp16, half) or auto (bfloat16 on cuda, float32 on cpu)",
                                        check=dtype_name)  # fmt: skip
-    max_loras: int = setting(8, help="seats in the cache pool: adapters resident at once",
-                             check=at_least(1), metavar="N")  # fmt: skip
+    max_loras: int = setting(0, help="most adapters resident in the cache pool at once; 0: no "
+                             "cap, the pool's pages alone bound them", check=at_least(0),
+                             metavar="N")  # fmt: skip
     max_cpu_loras: int = setting(32, help="adapters kept in host memory; left at its default it "
                                  "is raised to {max_loras}, set lower it is an error",
                                  check=at_least(1), metavar="N")  # fmt: skip

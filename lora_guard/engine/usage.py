@@ -73,7 +73,7 @@ class AdapterUsage:
     """Pins, heat and recent loads of one engine's adapters."""
 
     def __init__(self, max_loras: int, heat_window_s: float = WINDOW_S) -> None:
-        self.max_loras = max_loras
+        self.max_loras = max_loras  # 0: no seat cap
         self.pinned: tuple[str, ...] = ()  # in the order pinned
         self.arrivals: SlidingWindow[tuple[str, str]] = SlidingWindow(heat_window_s)
         self.disk_reads: SlidingWindow[str] = SlidingWindow(WINDOW_S)
@@ -87,7 +87,7 @@ class AdapterUsage:
         for adapter_id in adapter_ids:
             if adapter_id in self.pinned:
                 continue
-            if len(self.pinned) + 1 >= self.max_loras:
+            if self.max_loras and len(self.pinned) + 1 >= self.max_loras:
                 raise ValueError(
                     f"pinning {adapter_id!r} would leave no slot for the other adapters "
                     f"({self.max_loras} slots)"

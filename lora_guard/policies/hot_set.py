@@ -3,14 +3,14 @@ hit them.
 
 Heat is the number of requests per (tenant, adapter) over a sliding window. The hot set is the
 pinned adapters (``pin``) plus the ``hot_set_size`` hottest (default: all seats but one, which
-serves the cold tail). A warm adapter takes a free seat in the pool, else the seat of the coldest
-adapter outside the hot set that the engine lets leave now (its residency quantum over, or no
-request needing it); a hot adapter is displaced only by another hot one, a pinned one never.
-A tenant already holding its fair share of the seats may evict only its own. A request that has
-waited ``max_wait_steps``, or a running one whose adapter left the pool (parked), may displace
-any adapter that is not pinned, so none waits for a seat forever. Batch form offers requests
-whose adapter is resident first, caps the distinct adapters per step (``max_loras_per_batch``),
-and puts aged requests ahead of all others.
+serves the cold tail; with no seat cap, every adapter with heat, and the pool's pages decide). A
+warm adapter takes a free seat in the pool, else the seat of the coldest adapter outside the hot set
+that the engine lets leave now (its residency quantum over, or no request needing it); a hot adapter
+is displaced only by another hot one, a pinned one never. A tenant already holding its fair share of
+the seats may evict only its own. A request that has waited ``max_wait_steps``, or a running one
+whose adapter left the pool (parked), may displace any adapter that is not pinned, so none waits for
+a seat forever. Batch form offers requests whose adapter is resident first, caps the distinct
+adapters per step (``max_loras_per_batch``), and puts aged requests ahead of all others.
 
 The engine keeps the heat and the pins (``EngineState.heat``, ``tenant_heat``, ``pinned``); this
 policy reads them and decides.
@@ -30,7 +30,8 @@ from lora_guard.plugins.state import EngineState, RequestView
 
 class HotSetPolicy:
     def __init__(self) -> None:
-        self.hot_set_size = 4
+        self.hot_set_size: int | None = 4  # None: every adapter with heat
+        self.seats = 8  # 0: no seat cap
         self.max_loras_per_batch = 0
         self.max_wait_steps = 16
 
@@ -55,12 +56,15 @@ class HotSetPolicy:
 
     @hookimpl
     def lora_guard_configure(self, config: dict[str, Any]) -> None:
-        slots = int(config.get("max_loras", 8))
+        self.seats = int(config.get("max_loras", 0))
         size = config.get("hot_set_size")
-        self.hot_set_size = max(slots - 1, 0) if size is None else int(size)
+        if size is not None:
+            self.hot_set_size = int(size)
+        else:
+            self.hot_set_size = max(self.seats - 1, 0) if self.seats else None
         self.max_loras_per_batch = int(config.get("max_loras_per_batch", 0))
         self.max_wait_steps = int(config.get("max_wait_steps", 16))
-        if self.hot_set_size < 0 or self.max_loras_per_batch < 0 or self.max_wait_steps < 1:
+        if (self.hot_set_size or 0) < 0 or self.max_loras_per_batch < 0 or self.max_wait_steps < 1:
             raise ValueError("hot_set_size and max_loras_per_batch must be >= 0, "
                              "max_wait_steps >= 1")  # fmt: skip
 
@@ -112,7 +116,7 @@ class HotSetPolicy:
         rest = [r for r in waiting if r not in aged and r not in ready]
         hot = self.hot_set(state)
         rest.sort(key=lambda r: (r.adapter_id not in hot, -state.heat.get(r.adapter_id or "", 0)))
-        cap = self.max_loras_per_batch or len(state.slots)
+        cap = self.max_loras_per_batch or self.seats or len(waiting) + len(running)
         adapters = {r.adapter_id for r in running if r.adapter_id is not None}
         chosen = []
         for r in [*aged, *ready, *rest]:

@@ -40,8 +40,8 @@ def test_config_checks_itself() -> None:
 def test_each_field_is_checked_as_its_flag_is() -> None:
     config = EngineConfig(model="m", dtype="bf16", device="CPU", lora_compute="Batched")
     assert config.torch_dtype is torch.bfloat16 and config.lora_compute == "batched"
-    with pytest.raises(ConfigError, match="max_loras: must be at least 1"):
-        EngineConfig(model="m", max_loras=0, device="cpu")
+    with pytest.raises(ConfigError, match="max_loras: must be at least 0"):
+        EngineConfig(model="m", max_loras=-1, device="cpu")
     with pytest.raises(ConfigError, match="lora_compute: expected one of loop, batched"):
         EngineConfig(model="m", lora_compute="fused", device="cpu")
     with pytest.raises(ConfigError, match="max_batch_tokens must be at least block_size"):

@@ -206,7 +206,7 @@ def test_a_short_request_for_a_seventh_adapter_does_not_wait_for_the_long_ones(
         min_size=1,
         max_size=16,
     ),
-    seats=st.integers(1, 4),
+    seats=st.integers(0, 4),  # 0: no seat cap, the pages alone decide
     pages=st.sampled_from([40, 64, 160]),  # the largest adapter here takes 32
     pin_first=st.booleans(),
 )
@@ -220,8 +220,9 @@ def test_the_pool_never_leaks_overflows_or_drifts(
     pin_first: bool,
 ) -> None:
     names = sorted(adapters)
-    pinned = [names[0]] if pin_first and seats > 1 else []
-    llm = LLM(tiny_model, adapters=adapters, max_loras=seats, max_cpu_loras=seats, block_size=4,
+    pinned = [names[0]] if pin_first and seats != 1 else []
+    llm = LLM(tiny_model, adapters=adapters, max_loras=seats, max_cpu_loras=seats or NUM_ADAPTERS,
+              block_size=4,
               cache_memory=pages * PAGE_BYTES, residency_quantum_ms=5,
               settings={"pin": pinned, "cold_loads_per_minute": 1000})  # fmt: skip
     engine = llm.engine
@@ -319,6 +320,32 @@ def test_an_adapter_changed_on_disk_is_read_again_for_new_requests(
     assert drive(engine)["again"].token_ids == finished["after"].token_ids
     assert engine.adapters.stats.changed_on_disk == 1
     engine.check_no_leaks()
+
+
+def test_with_no_seat_cap_the_pool_pages_alone_decide_what_is_resident(
+    tiny_model: Path, adapters: dict[str, Path], solo: Any
+) -> None:
+    names = sorted(adapters)
+    prompts = [[5, 6, 7, 10 + i] for i in range(2 * NUM_ADAPTERS)]
+    ids = [names[i % NUM_ADAPTERS] for i in range(len(prompts))]
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    # A pool with room for every adapter: all of them resident at once, none evicted.
+    roomy = LLM(tiny_model, adapters=adapters, cache_memory="4MiB", block_size=4)
+    outs = roomy.generate(prompts, params, ids)
+    stats = roomy.engine.adapters.stats
+    assert (stats.peak_resident, stats.evictions) == (NUM_ADAPTERS, 0)
+    # A pool with pages for only some of them: they take turns, and the answers hold.
+    tight = LLM(tiny_model, adapters=adapters, cache_memory=40 * PAGE_BYTES, block_size=4,
+                residency_quantum_ms=5)  # fmt: skip
+    evictions = Evictions()
+    tight.engine.hooks.pm.register(evictions)
+    assert [o.token_ids for o in tight.generate(prompts, params, ids)] == [
+        o.token_ids for o in outs
+    ]
+    assert outs[0].token_ids == solo(prompts[0], ids[0], 3)
+    assert evictions.evicted and tight.engine.adapters.stats.peak_resident < NUM_ADAPTERS
+    for llm in (roomy, tight):
+        llm.engine.check_no_leaks()
 
 
 def test_generate_answers_every_prompt_over_more_adapters_than_the_cold_budget(

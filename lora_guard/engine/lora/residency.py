@@ -7,8 +7,9 @@ Residency is per step: a request uses its adapter only while it is in a step's b
 so between two steps any resident adapter may leave, and the running requests that need it wait,
 parked with their KV kept, until it comes back. What keeps this from thrashing is the residency
 quantum: an adapter that running or waiting requests still need stays at least
-``quantum_s`` after its load. ``max_loras`` seats cap the adapters resident at once; the pool's
-free pages cap their bytes.
+``quantum_s`` after its load. The pool's free pages cap the adapters' bytes; ``max_loras``
+seats, when set, also cap how many are resident at once (0, the default: no cap, a free seat
+is always there and the pages alone decide, as in S-LoRA's unified paging).
 
 In merged mode (the ``on-demand`` and ``static`` baselines) there is no pool: one adapter at a
 time is merged into the base weights, and a switch waits until no running request uses the
@@ -71,6 +72,7 @@ class AdapterStats:
     failures: int = 0
     evictions: int = 0
     changed_on_disk: int = 0  # adapters read again because their files changed
+    peak_resident: int = 0  # the most adapters resident at once
     swap_ms: list[float] = field(default_factory=list)
 
 
@@ -116,7 +118,8 @@ class ResidencyManager:
         self.pool, self.blocks, self.host, self.loader = pool, blocks, host, loader
         self.registry, self.events, self.merge = registry, events, merge
         self.quantum_s = quantum_s
-        self.seats: list[Resident | None] = [None] * (0 if merge else max_loras)
+        self.max_loras = max_loras  # 0: no seat cap
+        self.seats: list[Resident | None] = [None] * (0 if merge else max(max_loras, 1))
         self.usage = AdapterUsage(max_loras)  # pins, heat and recent loads
         self.top = 0  # pages [0, top) hold adapters
         self.stats = AdapterStats()
@@ -376,6 +379,9 @@ class ResidencyManager:
             self.pool.views(layout, first), now, now,
         )  # fmt: skip
         self.seats[seat] = entry
+        if not self.max_loras and None not in self.seats:
+            self.seats.append(None)  # no cap: a free seat is always there
+        self.stats.peak_resident = max(self.stats.peak_resident, len(self.residents()))
         self._loaded(adapter_id, seat, started)
         if need.evicts and not parked:
             self.usage.evicting_loads.add(adapter_id)
