@@ -1,5 +1,6 @@
 """A fresh server asked for 16 adapters at once, all of which fit in its cache pool, answers every
-request (no 429: loads into free memory cost no budget), with the in-process engine's tokens."""
+request (no 429: loads into free memory cost no budget), with the in-process engine's tokens; with
+the default settings (no seat cap) all 16 are resident at once."""
 
 from __future__ import annotations
 
@@ -34,8 +35,7 @@ def test_sixteen_cold_adapters_at_once_all_answer(
 ) -> None:
     model, _ = tiny
     names = sorted(p.name for p in sixteen.iterdir() if p.is_dir())
-    server = start_server(model, sixteen, "--max-loras", "16", "--cache-memory", "64MiB",
-                          log=tmp_path / "server.log")  # fmt: skip
+    server = start_server(model, sixteen, "--cache-memory", "64MiB", log=tmp_path / "server.log")
     try:
         with ThreadPoolExecutor(len(names)) as pool:
             answers = list(pool.map(lambda a: _ask(server.url, a), names))
@@ -49,5 +49,6 @@ def test_sixteen_cold_adapters_at_once_all_answer(
         assert metric(server.url, "lora_guard_cold_loads_total", outcome="rejected") == 0
         assert metric(server.url, "lora_guard_adapter_wait_ms_count") >= len(names)
         assert metric(server.url, "lora_guard_cache_pool_bytes", kind="adapter") > 0
+        assert metric(server.url, "lora_guard_adapter_resident", tier="device") == len(names)
     finally:
         assert server.stop() == 0, (tmp_path / "server.log").read_text()
