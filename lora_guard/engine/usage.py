@@ -14,7 +14,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
-WINDOW_S = 60.0  # of the load counts; the heat's is the hot-set's ``heat_window_s``
+from lora_guard.plugins.state import LOAD_WINDOW_S as WINDOW_S  # the heat's: ``heat_window_s``
 
 K = TypeVar("K", bound=Hashable)
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+#: The span of the state's load counts (``cold_loads_in_window``, ``evicting_loads``).
+LOAD_WINDOW_S = 60.0
+
 
 @dataclass(frozen=True, slots=True)
 class RequestView:

@@ -23,9 +23,9 @@ from typing import Any
 from lora_guard.plugins import Defer, Reject, hookimpl
 from lora_guard.plugins.decisions import AdapterDecision
 from lora_guard.plugins.options import OptionRegistry
+from lora_guard.plugins.state import LOAD_WINDOW_S as WINDOW_S  # the budget is per minute
 from lora_guard.plugins.state import EngineState, RequestView
 
-WINDOW_S = 60.0  # the budget is per minute: the span of EngineState.evicting_loads
 MIN_RETRY_AFTER_S = 0.05
 
 
