@@ -3,3 +3,25 @@
 ``ranking`` holds the adapter-affinity ranking of replicas, shared by the Ray request router and
 ``lora-guard simulate``; it imports nothing of Ray.
 """
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def build_app(serve_argv: Sequence[str] = (), replicas: int = 2, **options: Any) -> Any:
+    """The Ray Serve application (``serve.run(build_app([...], replicas=2))``): an ingress with
+    lora-guard's HTTP routes and ``replicas`` engine replicas, each built from ``serve_argv``
+    (``lora-guard serve`` arguments). See ``lora_guard.serve_ray.app.build_app``."""
+    from lora_guard.serve_ray.app import build_app as build
+
+    return build(serve_argv, replicas, **options)
+
+
+def run(serve_argv: Sequence[str] = (), replicas: int = 2, **options: Any) -> str:
+    """Start the application on the running Ray (or a local one) and return its URL; see
+    ``lora_guard.serve_ray.runner.start``."""
+    from lora_guard.serve_ray.runner import start
+
+    return start(serve_argv, replicas, **options)

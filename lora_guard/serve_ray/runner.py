@@ -1,0 +1,106 @@
+"""``lora-guard serve-ray``: Ray, then Ray Serve's HTTP proxy, then the application, until
+SIGTERM or Ctrl-C.
+
+Its own flags come first (``--replicas`` and the rest below); every other argument is a
+``lora-guard serve`` setting, given to each engine replica (``--host`` and ``--port`` are Ray
+Serve's HTTP proxy's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray import serve
+
+from lora_guard.config import SettingsError, load_settings
+from lora_guard.serve_ray.app import ROUTERS, build_app
+
+APP_NAME = "lora-guard"
+
+
+def start(
+    serve_argv: Sequence[str] = (),
+    replicas: int = 2,
+    *,
+    ray_address: str | None = None,
+    ray_cpus: int | None = None,
+    app_name: str = APP_NAME,
+    **options: Any,
+) -> str:
+    """Deploy ``replicas`` engine replicas and the ingress; return the URL they answer on. Uses
+    the Ray this process is connected to, else ``ray_address``, else starts a local one
+    (``ray_cpus`` CPUs, no dashboard). ``options`` go to ``app.engine_deployment``."""
+    settings = load_settings(list(serve_argv))
+    if not ray.is_initialized():
+        ray.init(address=ray_address, num_cpus=ray_cpus, include_dashboard=False)
+    serve.start(http_options={"host": settings.host, "port": settings.port})
+    app = build_app(serve_argv, replicas, app_name=app_name, **options)
+    serve.run(app, name=app_name, route_prefix="/", blocking=False)
+    return f"http://{settings.host}:{settings.port}"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lora-guard serve-ray",
+        description="lora-guard engine replicas behind Ray Serve, with the adapter-affinity "
+        "request router; arguments other than these are `lora-guard serve` settings, given to "
+        "every replica (see docs/scale-out.md)",
+    )
+    p.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
+    p.add_argument("--router", choices=ROUTERS, default="lora-guard",
+                   help="lora-guard (adapter affinity, default) or ray-default")  # fmt: skip
+    p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per replica (default 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per replica (default 1)")
+    p.add_argument("--max-ongoing-requests", type=int, default=32,
+                   help="requests one replica takes at once (default 32)")  # fmt: skip
+    p.add_argument("--stats-period", type=float, default=1.0,
+                   help="seconds between two routing-stats reports of a replica (default 1)")  # fmt: skip
+    p.add_argument("--spread-queue", type=int, default=4,
+                   help="a hot adapter spreads once its replicas have this many requests")  # fmt: skip
+    p.add_argument("--ray-address", help="a running Ray cluster (default: start a local Ray)")
+    p.add_argument("--ray-cpus", type=int, help="CPUs of the local Ray (default: all)")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    args, serve_argv = parser().parse_known_args(list(argv))
+    if args.replicas < 1 or args.threads < 1 or args.max_ongoing_requests < 1:
+        print("lora-guard serve-ray: error: --replicas, --threads and --max-ongoing-requests "
+              "must be at least 1", file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        load_settings(serve_argv)
+    except SettingsError as exc:
+        print(f"lora-guard serve-ray: error: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        url = start(
+            serve_argv, args.replicas, ray_address=args.ray_address, ray_cpus=args.ray_cpus,
+            router=args.router, replica_cpus=args.replica_cpus, threads=args.threads,
+            max_ongoing_requests=args.max_ongoing_requests, stats_period_s=args.stats_period,
+            spread_queue=args.spread_queue,
+        )  # fmt: skip
+    except Exception as exc:  # a replica that cannot start fails the deployment
+        print(f"lora-guard serve-ray: error: {exc}", file=sys.stderr)
+        _shutdown()
+        return 1
+    print(f"lora-guard serve-ray: {args.replicas} replicas on {url} (router {args.router})",
+          flush=True)  # fmt: skip
+    stop.wait()
+    _shutdown()
+    return 0
+
+
+def _shutdown() -> None:
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
