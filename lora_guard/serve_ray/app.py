@@ -167,21 +167,31 @@ def engine_deployment(
     router: str = "lora-guard",
     replica_cpus: float = 1.0,
     threads: int = 1,
-    max_ongoing_requests: int = 32,
+    max_ongoing_requests: int | None = None,
     stats_period_s: float = 1.0,
-    spread_queue: int = 4,
+    spread_queue: int | None = None,
     reservation_s: float = 10.0,
 ) -> Any:
     """The engine deployment: ``replicas`` engine replicas behind ``router`` (``lora-guard``: the
     adapter-affinity router; ``ray-default``: Ray Serve's power of two choices with its
-    multiplexed ranking)."""
+    multiplexed ranking).
+
+    A replica takes ``max_ongoing_requests`` at once (default: the engine's
+    ``max_concurrent_requests``, beyond which it would answer 429); a hot adapter spreads to
+    another replica once every replica holding it has ``spread_queue`` requests (default: the
+    engine's ``max_num_seqs``, a full batch, so that requests would wait)."""
     from lora_guard.config import load_settings
 
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}; choose from {', '.join(ROUTERS)}")
     if replicas < 1:
         raise ValueError("replicas must be at least 1")
-    seats = int(load_settings(list(serve_argv)).max_loras)  # validates the arguments here
+    settings = load_settings(list(serve_argv))  # the arguments are checked here, once
+    seats = int(settings.max_loras)
+    if max_ongoing_requests is None:
+        max_ongoing_requests = int(settings.max_concurrent_requests)
+    if spread_queue is None:
+        spread_queue = int(settings.max_num_seqs)
     if router == "lora-guard":
         config = RequestRouterConfig(
             request_router_class=ROUTER_CLASS,
@@ -192,7 +202,7 @@ def engine_deployment(
         config = RequestRouterConfig(request_routing_stats_period_s=stats_period_s)
 
     class LoraGuardEngineReplica(EngineReplica):
-        @serve.multiplexed(max_num_models_per_replica=seats)  # type: ignore[misc]
+        @serve.multiplexed(max_num_models_per_replica=seats)  # type: ignore[untyped-decorator]
         async def adapter(self, model_id: str) -> str:
             return model_id
 
@@ -212,4 +222,5 @@ def build_app(
     """The application to ``serve.run``: ``serve_argv`` are ``lora-guard serve`` arguments (the
     model, adapters, policies and limits of every replica); ``options`` go to
     :func:`engine_deployment`."""
-    return Ingress.bind(engine_deployment(serve_argv, replicas, **options), app_name)
+    ingress: Any = Ingress  # a Ray Serve deployment: mypy does not see class decorators
+    return ingress.bind(engine_deployment(serve_argv, replicas, **options), app_name)

@@ -57,12 +57,23 @@ def parser() -> argparse.ArgumentParser:
                    help="lora-guard (adapter affinity, default) or ray-default")  # fmt: skip
     p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per replica (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per replica (default 1)")
-    p.add_argument("--max-ongoing-requests", type=int, default=32,
-                   help="requests one replica takes at once (default 32)")  # fmt: skip
-    p.add_argument("--stats-period", type=float, default=1.0,
-                   help="seconds between two routing-stats reports of a replica (default 1)")  # fmt: skip
-    p.add_argument("--spread-queue", type=int, default=4,
-                   help="a hot adapter spreads once its replicas have this many requests")  # fmt: skip
+    p.add_argument(
+        "--max-ongoing-requests",
+        type=int,
+        help="requests one replica takes at once (default: --max-concurrent-requests)",
+    )
+    p.add_argument(
+        "--stats-period",
+        type=float,
+        default=1.0,
+        help="seconds between two routing-stats reports of a replica (default 1)",
+    )
+    p.add_argument(
+        "--spread-queue",
+        type=int,
+        help="a hot adapter spreads to more replicas once those holding it have this "
+        "many requests each (default: --max-num-seqs)",
+    )
     p.add_argument("--ray-address", help="a running Ray cluster (default: start a local Ray)")
     p.add_argument("--ray-cpus", type=int, help="CPUs of the local Ray (default: all)")
     return p
@@ -70,9 +81,15 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str]) -> int:
     args, serve_argv = parser().parse_known_args(list(argv))
-    if args.replicas < 1 or args.threads < 1 or args.max_ongoing_requests < 1:
-        print("lora-guard serve-ray: error: --replicas, --threads and --max-ongoing-requests "
-              "must be at least 1", file=sys.stderr)  # fmt: skip
+    small = [name for name in ("replicas", "threads", "max_ongoing_requests", "spread_queue")
+             if getattr(args, name) is not None and getattr(args, name) < 1]  # fmt: skip
+    if small or args.stats_period <= 0 or args.replica_cpus < 0:
+        what = (
+            f"--{small[0].replace('_', '-')} must be at least 1"
+            if small
+            else ("--stats-period must be positive and --replica-cpus at least 0")
+        )
+        print(f"lora-guard serve-ray: error: {what}", file=sys.stderr)
         return 2
     try:
         load_settings(serve_argv)
