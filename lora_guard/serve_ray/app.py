@@ -91,6 +91,15 @@ class EngineReplica:
             state.engine.shutdown()
 
 
+def replica_actors(app_name: str) -> list[Any]:
+    """The Ray actors of the application's engine replicas (Ray Serve names them
+    ``SERVE_REPLICA::app#deployment#id``); each answers ``record_routing_stats``."""
+    prefix = f"SERVE_REPLICA::{app_name}#{ENGINE_DEPLOYMENT}#"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(prefix)]  # fmt: skip
+    return [ray.get_actor(name, namespace="serve") for name in sorted(names)]
+
+
 http = FastAPI(title="lora-guard on Ray Serve")
 
 
@@ -104,7 +113,7 @@ class Ingress:
     @http.api_route("/{path:path}", methods=METHODS)
     async def forward(self, path: str, request: Request) -> Response:
         body = await request.body()
-        path = request.url.path
+        path = "/" + path  # below the application's route prefix
         if request.method == "GET" and path == "/metrics":
             return Response(merge_metrics(await self._replica_metrics()), media_type="text/plain")
         if request.method == "POST" and path.startswith(ADMIN_WRITES):
@@ -153,12 +162,14 @@ class Ingress:
         return f"{tenant or 'default'}:{name}"
 
     async def _replica_metrics(self) -> list[str]:
-        prefix = f"SERVE_REPLICA::{self.app_name}#{ENGINE_DEPLOYMENT}#"
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["name"].startswith(prefix)]  # fmt: skip
-        actors = [ray.get_actor(name, namespace="serve") for name in names]
+        actors = replica_actors(self.app_name)
         stats = await asyncio.gather(*(a.record_routing_stats.remote() for a in actors))
         return [str(s.get("metrics", "")) for s in stats]
+
+
+def fleet_stats(app_name: str) -> list[dict[str, Any]]:
+    """Every engine replica's routing stats now (``stats.routing_stats``), from the driver."""
+    return list(ray.get([a.record_routing_stats.remote() for a in replica_actors(app_name)]))
 
 
 def engine_deployment(

@@ -31,18 +31,22 @@ def start(
     ray_address: str | None = None,
     ray_cpus: int | None = None,
     app_name: str = APP_NAME,
+    route_prefix: str = "/",
     **options: Any,
 ) -> str:
-    """Deploy ``replicas`` engine replicas and the ingress; return the URL they answer on. Uses
-    the Ray this process is connected to, else ``ray_address``, else starts a local one
-    (``ray_cpus`` CPUs, no dashboard). ``options`` go to ``app.engine_deployment``."""
+    """Deploy ``replicas`` engine replicas and the ingress; return the URL they answer on.
+
+    Uses the Ray this process is connected to, else ``ray_address``, else starts a local one
+    (``ray_cpus`` CPUs, no dashboard). Ray Serve's HTTP proxy listens on the settings' ``--host``
+    and ``--port``, the application under ``route_prefix``. ``options`` go to
+    ``app.engine_deployment``."""
     settings = load_settings(list(serve_argv))
     if not ray.is_initialized():
         ray.init(address=ray_address, num_cpus=ray_cpus, include_dashboard=False)
     serve.start(http_options={"host": settings.host, "port": settings.port})
     app = build_app(serve_argv, replicas, app_name=app_name, **options)
-    serve.run(app, name=app_name, route_prefix="/", blocking=False)
-    return f"http://{settings.host}:{settings.port}"
+    serve.run(app, name=app_name, route_prefix=route_prefix, blocking=False)
+    return f"http://{settings.host}:{settings.port}{route_prefix.rstrip('/')}"
 
 
 def parser() -> argparse.ArgumentParser:
