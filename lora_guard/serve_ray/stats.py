@@ -10,12 +10,12 @@ replica's stats, and the queue length the router knows, into the ``ReplicaView``
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lora_guard.engine.llm_engine import LLMEngine
-from lora_guard.policies.cold_budget import ColdLoadBudget
-from lora_guard.policies.hot_set import HotSetPolicy
 from lora_guard.serve_ray.ranking import ReplicaView
+
+if TYPE_CHECKING:  # the router's process reads stats and never imports the engine (nor torch)
+    from lora_guard.engine.llm_engine import LLMEngine
 
 #: Seats assumed free on a replica that has not reported yet: one, so that cold requests spread
 #: over fresh replicas one reserved load at a time.
@@ -32,6 +32,9 @@ def routing_stats(engine: LLMEngine) -> dict[str, Any]:
     ``adapter_bytes`` (the cache pool's bytes in use by each), ``loads`` (adapters loaded into a
     seat since the engine started) and ``metrics`` (the replica's Prometheus text, "" without the
     metrics plugin)."""
+    from lora_guard.policies.cold_budget import ColdLoadBudget
+    from lora_guard.policies.hot_set import HotSetPolicy
+
     state = engine.scheduler.state(fresh=True)
     pm = engine.hooks.pm
     hot_set = pm.get_plugin("hot-set")
