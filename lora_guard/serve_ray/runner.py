@@ -100,9 +100,6 @@ def main(argv: Sequence[str]) -> int:
     except SettingsError as exc:
         print(f"lora-guard serve-ray: error: {exc}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
         url = start(
             serve_argv, args.replicas, ray_address=args.ray_address, ray_cpus=args.ray_cpus,
@@ -114,9 +111,13 @@ def main(argv: Sequence[str]) -> int:
         print(f"lora-guard serve-ray: error: {exc}", file=sys.stderr)
         _shutdown()
         return 1
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # set after Ray's start, so that they are ours
+        signal.signal(sig, lambda *_: stop.set())
     print(f"lora-guard serve-ray: {args.replicas} replicas on {url} (router {args.router})",
           flush=True)  # fmt: skip
-    stop.wait()
+    while not stop.wait(1.0):
+        pass
     _shutdown()
     return 0
 
