@@ -81,13 +81,16 @@ def port() -> Iterator[int]:
         ray.shutdown()
 
 
-def deploy(files: tuple[Path, Path], port: int, router: str, route_prefix: str = "/") -> Fleet:
+def deploy(
+    files: tuple[Path, Path], port: int, router: str, route_prefix: str = "/",
+    replicas: int = REPLICAS, *more: str,
+) -> Fleet:  # fmt: skip
     model, adapters = files
     argv = ["--model", str(model), "--adapter-dir", str(adapters), "--host", "127.0.0.1",
             "--port", str(port), "--kv-cache-memory", "16MiB", "--block-size", "4",
-            "--max-loras", str(SEATS)]  # fmt: skip
-    name = f"lora-guard-{router}"
-    url = serve_ray.run(argv, REPLICAS, router=router, app_name=name, replica_cpus=0.5,
+            "--max-loras", str(SEATS), *more]  # fmt: skip
+    name = f"lora-guard-{router}{route_prefix.replace('/', '-').rstrip('-')}"
+    url = serve_ray.run(argv, replicas, router=router, app_name=name, replica_cpus=0.5,
                         stats_period_s=0.5, route_prefix=route_prefix)  # fmt: skip
     return Fleet(url, name, model, adapters)
 
@@ -253,3 +256,24 @@ def test_bench_target_replays_against_the_fleet(fleet: Fleet, tmp_path: Path) ->
     # The fleet's /metrics sum both replicas' counters: the swaps it shows are the replicas' loads.
     loads = sum(s["loads"] for s in fleet_stats(fleet.app_name)) - loads_before
     assert target["swaps"] == loads and target["hit_rate"] is not None
+
+
+def test_with_api_keys_the_fleet_checks_them_and_its_metrics_need_an_admin_key(
+    fleet_files: tuple[Path, Path], port: int, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[keys.app]\nkey = "app-secret-key"\ntenant = "acme"\n'
+                    '[keys.ops]\nkey = "ops-secret-key"\nadmin = true\n')  # fmt: skip
+    keyed = deploy(fleet_files, port, "lora-guard", "/keyed", 1, "--api-key-file", str(keys))
+    try:
+        body = {"inputs": "hello", "parameters": {"max_new_tokens": 2, "adapter_id": "f-00"}}
+        assert httpx.post(keyed.url + "/generate", json=body, timeout=60).status_code == 401
+        app = {"Authorization": "Bearer app-secret-key"}
+        ops = {"Authorization": "Bearer ops-secret-key"}
+        assert httpx.post(keyed.url + "/generate", json=body, headers=app,
+                          timeout=60).status_code == 200  # fmt: skip
+        assert httpx.get(keyed.url + "/metrics", headers=app, timeout=60).status_code == 403
+        metrics = httpx.get(keyed.url + "/metrics", headers=ops, timeout=60)
+        assert metrics.status_code == 200 and "lora_guard_adapter_lookups_total" in metrics.text
+    finally:
+        serve.delete(keyed.app_name)

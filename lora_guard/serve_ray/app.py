@@ -114,8 +114,6 @@ class Ingress:
     async def forward(self, path: str, request: Request) -> Response:
         body = await request.body()
         path = "/" + path  # below the application's route prefix
-        if request.method == "GET" and path == "/metrics":
-            return Response(merge_metrics(await self._replica_metrics()), media_type="text/plain")
         if request.method == "POST" and path.startswith(ADMIN_WRITES):
             message = ("adapter administration is not available behind lora-guard serve-ray: it "
                        "would change one replica only; give every replica the same adapters at "
@@ -126,9 +124,21 @@ class Ingress:
         forwarded = Forwarded(request.method, path, request.url.query.encode(),
                               list(request.headers.items()), body)  # fmt: skip
         parts = handle.forward.remote(forwarded)
-        head = await parts.__anext__()
+        try:
+            head = await parts.__anext__()
+        except Exception as exc:  # no replica could take it (replicas gone, or failing)
+            log.warning("no engine replica answered %s %s: %s", request.method, path, exc)
+            return JSONResponse({"error": f"no engine replica answered: {type(exc).__name__}",
+                                 "error_type": "unavailable"}, 503)  # fmt: skip
         assert isinstance(head, Head)
         headers = {k: v for k, v in head.headers if k.lower() not in _HOP_HEADERS}
+        if request.method == "GET" and path == "/metrics" and head.status == 200:
+            # One replica said the caller may read them (an admin key, with a key file): the
+            # fleet's are every replica's, summed.
+            async for _ in parts:
+                pass
+            text = merge_metrics(await self._replica_metrics())
+            return Response(text, media_type=headers.get("content-type", "text/plain"))
 
         async def rest() -> AsyncIterator[bytes]:
             async for part in parts:
