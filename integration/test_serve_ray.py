@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -43,6 +43,11 @@ SPEC = WorkloadSpec(
     user_words_mean=6, output_mean=10, output_min=4, output_max=20,
 )  # fmt: skip
 ROUTER_BOUND = 1.1  # our loads over the offline best
+# More adapters than pooled seats: the replicas must evict, and the pooled optimum (one cache of
+# six seats with all of the future in view) is out of reach of replicas that each evict for
+# themselves. Measured 1.18x to 1.73x over six runs; the bound is what holds there.
+MORE = replace(SPEC, adapters=10, requests=60)
+MORE_BOUND = 2.0
 
 
 @dataclass
@@ -67,7 +72,7 @@ def fleet_files(
 ) -> tuple[Path, Path]:
     model, _ = tiny
     adapters = tmp_path_factory.mktemp("fleet-adapters")
-    make_adapters(model, adapters, n=SPEC.adapters, ranks=(4, 8), strength=0.5, prefix="f")
+    make_adapters(model, adapters, n=MORE.adapters, ranks=(4, 8), strength=0.5, prefix="f")
     return model, adapters
 
 
@@ -89,7 +94,7 @@ def deploy(
     argv = ["--model", str(model), "--adapter-dir", str(adapters), "--host", "127.0.0.1",
             "--port", str(port), "--kv-cache-memory", "16MiB", "--block-size", "4",
             "--max-loras", str(SEATS), *more]  # fmt: skip
-    name = f"lora-guard-{router}{route_prefix.replace('/', '-').rstrip('-')}"
+    name = f"lora-guard{route_prefix.replace('/', '-')}".rstrip("-")
     url = serve_ray.run(argv, replicas, router=router, app_name=name, replica_cpus=0.5,
                         stats_period_s=0.5, route_prefix=route_prefix)  # fmt: skip
     return Fleet(url, name, model, adapters)
@@ -103,20 +108,28 @@ def fleet(fleet_files: tuple[Path, Path], port: int) -> Iterator[Fleet]:
     serve.delete(running.app_name)
 
 
-@pytest.fixture(scope="module")
-def trace(fleet: Fleet) -> list[TraceRequest]:
-    ids = sorted(p.name for p in fleet.adapters.iterdir() if p.is_dir())
-    return make_trace(SPEC, ids)
+def trace_of(spec: WorkloadSpec, adapters: Path) -> list[TraceRequest]:
+    return make_trace(spec, sorted(p.name for p in adapters.iterdir() if p.is_dir()))
 
 
-@pytest.fixture(scope="module")
-def oracle(fleet: Fleet, trace: list[TraceRequest]) -> dict[str, list[int]]:
-    options = EngineOptions(model=str(fleet.model), adapter_dir=str(fleet.adapters),
-                            kv_cache_memory="16MiB")  # fmt: skip
+def oracle_of(files: tuple[Path, Path], trace: list[TraceRequest]) -> dict[str, list[int]]:
+    """The oracle's tokens per request id, batched, and alone under ``solo:ID``."""
+    model, adapters = files
+    options = EngineOptions(model=str(model), adapter_dir=str(adapters), kv_cache_memory="16MiB")
     wanted = [OracleRequest(r.id, r.prompt, r.adapter_id, r.max_new_tokens, ignore_eos=False)
               for r in trace]  # fmt: skip
     table = oracle_tokens(wanted, options)
     return {**table, **{f"solo:{k}": v for k, v in oracle_tokens(wanted, options, True).items()}}
+
+
+@pytest.fixture(scope="module")
+def trace(fleet: Fleet) -> list[TraceRequest]:
+    return trace_of(SPEC, fleet.adapters)
+
+
+@pytest.fixture(scope="module")
+def oracle(fleet_files: tuple[Path, Path], trace: list[TraceRequest]) -> dict[str, list[int]]:
+    return oracle_of(fleet_files, trace)
 
 
 def stream(client: httpx.Client, request: TraceRequest) -> Answer:
@@ -175,6 +188,35 @@ def wrong(answers: dict[str, Answer], oracle: dict[str, list[int]]) -> list[str]
             or a.tokens not in (oracle[key], oracle[f"solo:{key}"])]  # fmt: skip
 
 
+def fresh_run(
+    files: tuple[Path, Path], port: int, router: str, trace: list[TraceRequest], tag: str = ""
+) -> tuple[int, dict[str, Answer]]:
+    """Adapter loads and answers of ``trace`` on a fresh deployment behind ``router``."""
+    fleet = deploy(files, port, router, f"/{router}{tag}")
+    try:
+        answers = replay(fleet.url, trace)
+        return sum(s["loads"] for s in fleet_stats(fleet.app_name)), answers
+    finally:
+        serve.delete(fleet.app_name)
+
+
+def figures(
+    trace: list[TraceRequest], ours: int, ray_default: int, best: int,
+    answers: dict[str, Answer], default_answers: dict[str, Answer], started: float,
+) -> str:  # fmt: skip
+    def p95(of: dict[str, Answer]) -> float:
+        return percentile([a.seconds * 1000 for a in of.values()], 95) or 0.0
+
+    return (
+        f"\n{len(trace)} requests, {len({r.adapter_id for r in trace} - {None})} adapters, "
+        f"{REPLICAS} replicas x {SEATS} seats, {CLIENTS} clients: adapter loads: "
+        f"lora-guard router {ours}, Ray default router {ray_default}, offline best {best} "
+        f"(ours {ours / best:.2f}x, Ray default {ray_default / best:.2f}x); request p95 "
+        f"{p95(answers):.0f} ms (lora-guard), {p95(default_answers):.0f} ms (Ray default); "
+        f"{time.perf_counter() - started:.0f} s"
+    )
+
+
 def test_a_skewed_trace_from_four_clients_is_correct_and_loads_near_the_offline_best(
     fleet: Fleet,
     fleet_files: tuple[Path, Path],
@@ -190,24 +232,10 @@ def test_a_skewed_trace_from_four_clients_is_correct_and_loads_near_the_offline_
     ours = sum(s["loads"] for s in fleet_stats(fleet.app_name))
     assert len(answers) == len(trace)
     assert wrong(answers, oracle) == []
-    p95 = percentile([a.seconds * 1000 for a in answers.values()], 95)
 
     # Ray Serve's default router on a fresh deployment of its own, beside ours (idle now).
-    default = deploy(fleet_files, port, "ray-default", route_prefix="/ray-default")
-    try:
-        default_answers = replay(default.url, trace)
-        ray_default = sum(s["loads"] for s in fleet_stats(default.app_name))
-    finally:
-        serve.delete(default.app_name)
-    default_p95 = percentile([a.seconds * 1000 for a in default_answers.values()], 95)
-    print(
-        f"\n{len(trace)} requests, {len({r.adapter_id for r in trace} - {None})} adapters, "
-        f"{REPLICAS} replicas x {SEATS} seats, {CLIENTS} clients: adapter loads: "
-        f"lora-guard router {ours}, Ray default router {ray_default}, offline best {best} "
-        f"(ours {ours / best:.2f}x, Ray default {ray_default / best:.2f}x); request p95 "
-        f"{p95:.0f} ms (lora-guard), {default_p95:.0f} ms (Ray default); "
-        f"{time.perf_counter() - started:.0f} s"
-    )
+    ray_default, default_answers = fresh_run(fleet_files, port, "ray-default", trace)
+    print(figures(trace, ours, ray_default, best, answers, default_answers, started))
     assert wrong(default_answers, oracle) == []  # both routers serve correct answers
     assert best <= ours <= ROUTER_BOUND * best
 
@@ -277,3 +305,17 @@ def test_with_api_keys_the_fleet_checks_them_and_its_metrics_need_an_admin_key(
         assert metrics.status_code == 200 and "lora_guard_adapter_lookups_total" in metrics.text
     finally:
         serve.delete(keyed.app_name)
+
+
+def test_with_more_adapters_than_seats_every_answer_is_right_and_loads_stay_bounded(
+    fleet_files: tuple[Path, Path], port: int
+) -> None:
+    trace = trace_of(MORE, fleet_files[1])
+    oracle = oracle_of(fleet_files, trace)
+    started = time.perf_counter()
+    best = offline_best_loads([r.adapter_id for r in trace], REPLICAS, SEATS)
+    ours, answers = fresh_run(fleet_files, port, "lora-guard", trace, "-more")
+    ray_default, default_answers = fresh_run(fleet_files, port, "ray-default", trace, "-more")
+    print(figures(trace, ours, ray_default, best, answers, default_answers, started))
+    assert wrong(answers, oracle) == [] and wrong(default_answers, oracle) == []
+    assert ours <= MORE_BOUND * best
