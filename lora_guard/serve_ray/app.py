@@ -208,7 +208,7 @@ def engine_deployment(
     if replicas < 1:
         raise ValueError("replicas must be at least 1")
     settings = load_settings(list(serve_argv))  # the arguments are checked here, once
-    seats = int(settings.max_loras)
+    seats = int(settings.max_loras) or -1  # Ray's multiplexer: -1 is no cap, as 0 is here
     if max_ongoing_requests is None:
         max_ongoing_requests = int(settings.max_concurrent_requests)
     if spread_queue is None:

@@ -25,12 +25,13 @@ UNREPORTED_FREE_SEATS = 1
 def routing_stats(engine: LLMEngine) -> dict[str, Any]:
     """The replica's routing stats (call it on the engine's loop thread):
 
-    ``resident`` adapters in the pool's seats, ``pinned``, ``hot_set`` (the hot-set policy's,
-    empty without it), ``free_seats``, ``seats``, ``cold_budget_left`` (evicting loads the
-    cold-load budget allows now; None without that policy: no limit) and ``retry_after_s`` (until
-    it allows one, 0 when it does), ``queue`` (requests running or waiting), ``kv_bytes`` and
-    ``adapter_bytes`` (the cache pool's bytes in use by each), ``loads`` (adapters loaded into a
-    seat since the engine started) and ``metrics`` (the replica's Prometheus text, "" without the
+    ``resident`` adapters in the cache pool, ``pinned``, ``hot_set`` (the hot-set policy's, empty
+    without it), ``free_seats`` (adapters it can load without evicting one: :func:`room`),
+    ``seats`` (``max_loras``, 0: no cap), ``cold_budget_left`` (evicting loads the cold-load
+    budget allows now; None without that policy: no limit) and ``retry_after_s`` (until it allows
+    one, 0 when it does), ``queue`` (requests running or waiting), ``kv_bytes`` and
+    ``adapter_bytes`` (the cache pool's bytes in use by each), ``loads`` (adapters loaded into the
+    pool since the engine started) and ``metrics`` (the replica's Prometheus text, "" without the
     metrics plugin)."""
     from lora_guard.policies.cold_budget import ColdLoadBudget
     from lora_guard.policies.hot_set import HotSetPolicy
@@ -45,20 +46,39 @@ def routing_stats(engine: LLMEngine) -> dict[str, Any]:
     if isinstance(budget, ColdLoadBudget):
         left = max(budget.per_minute - len(state.evicting_loads), 0)
         retry_after = budget.retry_after(state.evicting_loads, state.now)
+    resident = sorted(v.adapter_id for v in state.slots if v.adapter_id is not None)
+    max_loras = int(engine.config.max_loras)
+    adapter_bytes = int(state.pool_bytes.get("adapter", 0))
+    free = room(max_loras, len(state.free_slots), len(resident), adapter_bytes,
+                int(state.pool_bytes.get("free", 0)))  # fmt: skip
     return {
-        "resident": sorted(v.adapter_id for v in state.slots if v.adapter_id is not None),
+        "resident": resident,
         "pinned": sorted(state.pinned),
         "hot_set": sorted(hot_set.hot_set(state)) if isinstance(hot_set, HotSetPolicy) else [],
-        "free_seats": len(state.free_slots),
-        "seats": len(state.slots),
+        "free_seats": free,
+        "seats": max_loras,
         "cold_budget_left": left,
         "retry_after_s": round(retry_after, 3),
         "queue": state.num_running + state.num_waiting,
         "kv_bytes": int(state.pool_bytes.get("kv", 0)),
-        "adapter_bytes": int(state.pool_bytes.get("adapter", 0)),
+        "adapter_bytes": adapter_bytes,
         "loads": engine.adapters.stats.loads,
         "metrics": metrics.render().decode() if metrics is not None else "",
     }
+
+
+def room(
+    max_loras: int, free_seats: int, resident: int, adapter_bytes: int, free_bytes: int
+) -> int:
+    """Adapters a replica can load without evicting one: its free seats when ``max_loras`` caps
+    them; with no cap (0), as many as its free pool bytes hold at the mean size of its resident
+    adapters (one when none is resident, nothing to go by: reserved loads then spread new
+    adapters one at a time)."""
+    if max_loras > 0:
+        return free_seats
+    if resident == 0 or adapter_bytes <= 0:
+        return 1
+    return free_bytes // max(adapter_bytes // resident, 1)
 
 
 def replica_view(
@@ -66,15 +86,14 @@ def replica_view(
 ) -> ReplicaView:
     """The ranker's view of a replica from its last ``stats`` (``{}`` before its first report)
     and ``queue_len``, the router's own count of its requests (None: use the reported one)."""
-    budget = stats.get("cold_budget_left")
+    budget = stats.get("cold_budget_left")  # None: no cold-load budget, it may always load
     return ReplicaView(
         replica_id=replica_id,
         resident=frozenset(stats.get("resident", ())),
         queue_len=int(stats.get("queue", 0)) if queue_len is None else queue_len,
         max_queue=max_queue,
         free_seats=int(stats.get("free_seats", UNREPORTED_FREE_SEATS)),
-        # no cold-load budget on the replica: it may load whenever it must
-        cold_budget_left=int(stats.get("seats", 1)) if budget is None else int(budget),
+        cold_budget_left=1 if budget is None else int(budget),
     )
 
 

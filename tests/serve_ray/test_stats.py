@@ -10,6 +10,7 @@ from lora_guard.serve_ray.stats import (
     UNREPORTED_FREE_SEATS,
     adapter_of,
     replica_view,
+    room,
     routing_stats,
 )
 from lora_guard.testing import AdapterFactory
@@ -45,7 +46,7 @@ def test_the_router_reads_reported_stats_and_its_own_queue_count() -> None:
     assert view.queue_len == 3  # the router's own count wins over the last report
     assert replica_view("r0", stats, None, 16).queue_len == 7
     # No cold-load budget on the replica: it may always load.
-    assert replica_view("r0", {**stats, "cold_budget_left": None}, None, 16).cold_budget_left == 4
+    assert replica_view("r0", {**stats, "cold_budget_left": None}, None, 16).cold_budget_left > 0
     fresh = replica_view("r1", {}, None, 16)
     assert fresh.resident == frozenset() and fresh.free_seats == UNREPORTED_FREE_SEATS
 
@@ -70,3 +71,11 @@ def test_reported_stats_rank_residency_first_and_reserve_seats_for_cold_loads() 
 def test_the_multiplexed_model_id_names_tenant_and_adapter() -> None:
     assert adapter_of("acme:support-v2") == "support-v2"
     assert adapter_of("") is None and adapter_of(None) is None and adapter_of("acme:") is None
+
+
+def test_room_is_free_seats_under_a_cap_and_free_pool_bytes_without_one() -> None:
+    assert room(4, free_seats=2, resident=2, adapter_bytes=200, free_bytes=10_000) == 2
+    # No cap: as many adapters as the free pages hold, at the residents' mean size.
+    assert room(0, free_seats=1, resident=2, adapter_bytes=200, free_bytes=350) == 3
+    assert room(0, free_seats=1, resident=2, adapter_bytes=200, free_bytes=50) == 0
+    assert room(0, free_seats=1, resident=0, adapter_bytes=0, free_bytes=10_000) == 1
