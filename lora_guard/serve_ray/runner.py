@@ -41,12 +41,18 @@ def start(
     and ``--port``, the application under ``route_prefix``. ``options`` go to
     ``app.engine_deployment``."""
     settings = load_settings(list(serve_argv))
-    if not ray.is_initialized():
-        ray.init(address=ray_address, num_cpus=ray_cpus, include_dashboard=False)
+    connect(ray_address, ray_cpus)
     serve.start(http_options={"host": settings.host, "port": settings.port})
     app = build_app(serve_argv, replicas, app_name=app_name, **options)
     serve.run(app, name=app_name, route_prefix=route_prefix, blocking=False)
     return f"http://{settings.host}:{settings.port}{route_prefix.rstrip('/')}"
+
+
+def connect(ray_address: str | None = None, ray_cpus: int | None = None) -> None:
+    """Ray for this process: the one it is connected to, else ``ray_address``, else a local
+    one with ``ray_cpus`` CPUs and no dashboard."""
+    if not ray.is_initialized():
+        ray.init(address=ray_address, num_cpus=ray_cpus, include_dashboard=False)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -100,20 +106,20 @@ def main(argv: Sequence[str]) -> int:
     except SettingsError as exc:
         print(f"lora-guard serve-ray: error: {exc}", file=sys.stderr)
         return 2
+    stop = threading.Event()
     try:
+        connect(args.ray_address, args.ray_cpus)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # after Ray's start, so that they are ours
+            signal.signal(sig, lambda *_: stop.set())
         url = start(
-            serve_argv, args.replicas, ray_address=args.ray_address, ray_cpus=args.ray_cpus,
-            router=args.router, replica_cpus=args.replica_cpus, threads=args.threads,
-            max_ongoing_requests=args.max_ongoing_requests, stats_period_s=args.stats_period,
-            spread_queue=args.spread_queue,
+            serve_argv, args.replicas, router=args.router, replica_cpus=args.replica_cpus,
+            threads=args.threads, max_ongoing_requests=args.max_ongoing_requests,
+            stats_period_s=args.stats_period, spread_queue=args.spread_queue,
         )  # fmt: skip
     except Exception as exc:  # a replica that cannot start fails the deployment
         print(f"lora-guard serve-ray: error: {exc}", file=sys.stderr)
         _shutdown()
         return 1
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # set after Ray's start, so that they are ours
-        signal.signal(sig, lambda *_: stop.set())
     print(f"lora-guard serve-ray: {args.replicas} replicas on {url} (router {args.router})",
           flush=True)  # fmt: skip
     while not stop.wait(1.0):
