@@ -1,7 +1,11 @@
-"""lora-guard replicas behind Ray Serve (``pip install 'lora-guard[ray]'``).
+"""lora-guard replicas behind Ray Serve (``pip install 'lora-guard[ray]'``; docs/scale-out.md).
 
-``ranking`` holds the adapter-affinity ranking of replicas, shared by the Ray request router and
-``lora-guard simulate``; it imports nothing of Ray.
+Without Ray: ``ranking`` (the adapter-affinity ranking of replicas, shared by the request router
+and ``lora-guard simulate``), ``stats`` (what a replica reports, and how the router reads it),
+``offline_best`` (the fewest loads any router could make on a trace), ``asgi`` (a request through
+an ASGI application in process) and ``metrics`` (the fleet's summed Prometheus samples).
+With Ray: ``router`` (the ``RequestRouter``), ``app`` (the ingress and engine deployments) and
+``runner`` (``lora-guard serve-ray``). ``build_app`` and ``run`` below import Ray when called.
 """
 
 from __future__ import annotations
