@@ -208,6 +208,13 @@ def engine_deployment(
     if replicas < 1:
         raise ValueError("replicas must be at least 1")
     settings = load_settings(list(serve_argv))  # the arguments are checked here, once
+    if settings.engine_kwargs()["model"] is None:  # the demo model: prepared once, here
+        from lora_guard.demo import DemoError, prepare_demo
+
+        try:
+            prepare_demo()
+        except DemoError as exc:
+            raise ValueError(str(exc)) from None
     seats = int(settings.max_loras) or -1  # Ray's multiplexer: -1 is no cap, as 0 is here
     if max_ongoing_requests is None:
         max_ongoing_requests = int(settings.max_concurrent_requests)
