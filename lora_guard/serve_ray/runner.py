@@ -58,6 +58,7 @@ def connect(ray_address: str | None = None, ray_cpus: int | None = None) -> None
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lora-guard serve-ray",
+        allow_abbrev=False,  # an abbreviated `serve` setting is the replicas', never taken here
         description="lora-guard engine replicas behind Ray Serve, with the adapter-affinity "
         "request router; arguments other than these are `lora-guard serve` settings, given to "
         "every replica (see docs/scale-out.md)",
