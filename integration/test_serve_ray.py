@@ -45,7 +45,7 @@ SPEC = WorkloadSpec(
 ROUTER_BOUND = 1.1  # our loads over the offline best
 # More adapters than pooled seats: the replicas must evict, and the pooled optimum (one cache of
 # six seats with all of the future in view) is out of reach of replicas that each evict for
-# themselves. Measured 1.18x to 1.73x in eight runs; the bound is what holds there.
+# themselves. Measured 1.18x to 1.73x in nine runs; the bound is what holds there.
 MORE = replace(SPEC, adapters=10, requests=60)
 MORE_BOUND = 2.0
 
