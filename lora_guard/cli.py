@@ -37,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
         "`lora-guard serve --help` lists every setting",
         add_help=False,
     )
+    commands.add_parser(
+        "serve-ray",
+        help="serve lora-guard replicas behind Ray Serve with the adapter-affinity router "
+        "(needs lora-guard[ray]); `lora-guard serve-ray --help` lists its flags",
+        add_help=False,
+    )
 
     demo = commands.add_parser(
         "prepare-demo",
@@ -130,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
         return _serve(argv[1:])
+    if argv and argv[0] == "serve-ray":
+        return _serve_ray(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "prepare-demo":
@@ -162,48 +170,35 @@ def _serve(argv: list[str]) -> int:
     except SettingsError as exc:
         print(f"lora-guard serve: error: {exc}", file=sys.stderr)
         return 2
-    from lora_guard.engine.builder import build_engine
     from lora_guard.engine.config import ConfigError
     from lora_guard.engine.lora import AdapterError
     from lora_guard.engine.model import ModelLoadError
     from lora_guard.plugins import PluginError
-    from lora_guard.server.serve import serve
+    from lora_guard.server.serve import StartError, engine_for, serve
 
-    keys = None
-    if settings.api_key_file is not None:
-        from lora_guard.server.auth import KeyFileError, KeyRing
-
-        try:
-            keys = KeyRing.from_file(settings.api_key_file)
-        except KeyFileError as exc:
-            print(f"lora-guard serve: error: {exc}", file=sys.stderr)
-            return 2
-    kwargs = settings.engine_kwargs()
-    if kwargs["model"] is None:
-        from lora_guard.demo import DemoError, prepare_demo
-
-        try:
-            demo = prepare_demo()
-        except DemoError as exc:
-            print(f"lora-guard serve: error: {exc}", file=sys.stderr)
-            return 1
-        kwargs["model"] = str(demo.model_dir)
-        if kwargs["adapter_dir"] is None and not kwargs["adapters"]:
-            kwargs["adapter_dir"] = demo.adapter_dir
-    assert settings.hooks is not None
     try:
-        engine = build_engine(
-            settings.hooks, settings.policies, settings.plugin_settings(), **kwargs
-        )
-        adapter_dirs = [Path(d) for d in settings.adapter_dir]
-        if kwargs["adapter_dir"] is not None and not adapter_dirs:
-            adapter_dirs = [Path(kwargs["adapter_dir"])]  # the demo's
+        engine, keys, adapter_dirs = engine_for(settings)
         return serve(
             engine, settings.host, settings.port, settings.plugin_settings(), keys, adapter_dirs
         )
+    except StartError as exc:
+        print(f"lora-guard serve: error: {exc}", file=sys.stderr)
+        return exc.code
     except (ConfigError, ModelLoadError, AdapterError, PluginError, ValueError) as exc:
         print(f"lora-guard serve: error: {exc}", file=sys.stderr)
         return 1
+
+
+def _serve_ray(argv: list[str]) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        print("lora-guard serve-ray: error: Ray Serve is not installed; install lora-guard[ray] "
+              "(pip install 'lora-guard[ray]')", file=sys.stderr)  # fmt: skip
+        return 2
+    from lora_guard.serve_ray.runner import main as serve_ray
+
+    return serve_ray(argv)
 
 
 def _prepare_demo(args: argparse.Namespace) -> int:

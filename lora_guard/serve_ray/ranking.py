@@ -15,7 +15,8 @@ holds it has ``spread_queue`` requests or more waiting, replicas with room to lo
 first tier, so its traffic is not piled onto one replica. A request routed to a replica that
 lacks its adapter reserves that load (``routed``): until the replica reports the adapter, or
 ``reservation_s`` passes, the adapter counts as resident there, so concurrent cold requests for
-it do not load it on two replicas.
+it do not load it on two replicas, and the seat it will take no longer counts as free there, so
+concurrent cold requests for different adapters do not overfill one replica.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class AffinityRanker:
             overloaded = replica.queue_len >= replica.max_queue
             if replica.replica_id in holding and not overloaded:
                 tiers[0].append(replica)
-            elif replica.free_seats > 0 and not overloaded:
+            elif self.room(replica) > 0 and not overloaded:
                 tiers[0 if spread else 1].append(replica)
             elif replica.cold_budget_left > 0 and not overloaded:
                 tiers[2].append(replica)
@@ -73,6 +74,14 @@ class AffinityRanker:
             self._loading.pop((replica.replica_id, adapter_id), None)
             return True
         return (replica.replica_id, adapter_id) in self._loading
+
+    def room(self, replica: ReplicaView) -> int:
+        """Adapters the replica can still load without evicting one, less the loads reserved
+        there that it does not report yet."""
+        reserved = sum(
+            1 for r, a in self._loading if r == replica.replica_id and a not in replica.resident
+        )
+        return replica.free_seats - reserved
 
     def routed(self, adapter_id: str | None, replica: ReplicaView) -> None:
         """A request for ``adapter_id`` went to ``replica``: reserve its load there if needed."""

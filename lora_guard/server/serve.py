@@ -47,6 +47,70 @@ def limits_for(engine: LLMEngine, settings: dict[str, Any]) -> Limits:
     )
 
 
+class StartError(Exception):
+    """The server cannot start; ``code`` is the exit status (2: a bad API-key file)."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def engine_for(settings: Any) -> tuple[LLMEngine, KeyRing | None, list[Path]]:
+    """The engine, API keys and adapter folders of ``lora-guard serve`` settings
+    (``ServeSettings``): the demo model and its adapters when no ``--model`` is given."""
+    from lora_guard.engine.builder import build_engine
+    from lora_guard.engine.config import ConfigError
+    from lora_guard.engine.lora import AdapterError
+    from lora_guard.engine.model import ModelLoadError
+    from lora_guard.plugins import PluginError
+
+    keys = None
+    if settings.api_key_file is not None:
+        from lora_guard.server.auth import KeyFileError
+
+        try:
+            keys = KeyRing.from_file(settings.api_key_file)
+        except KeyFileError as exc:
+            raise StartError(str(exc), 2) from None
+    kwargs = settings.engine_kwargs()
+    if kwargs["model"] is None:
+        from lora_guard.demo import DemoError, prepare_demo
+
+        try:
+            demo = prepare_demo()
+        except DemoError as exc:
+            raise StartError(str(exc)) from None
+        kwargs["model"] = str(demo.model_dir)
+        if kwargs["adapter_dir"] is None and not kwargs["adapters"]:
+            kwargs["adapter_dir"] = demo.adapter_dir
+    assert settings.hooks is not None
+    try:
+        engine = build_engine(
+            settings.hooks, settings.policies, settings.plugin_settings(), **kwargs
+        )
+    except (ConfigError, ModelLoadError, AdapterError, PluginError, ValueError) as exc:
+        raise StartError(str(exc)) from None
+    adapter_dirs = [Path(d) for d in settings.adapter_dir]
+    if kwargs["adapter_dir"] is not None and not adapter_dirs:
+        adapter_dirs = [Path(kwargs["adapter_dir"])]  # the demo's
+    return engine, keys, adapter_dirs
+
+
+def state_for(
+    engine: LLMEngine,
+    settings: dict[str, Any],
+    keys: KeyRing | None = None,
+    adapter_dirs: list[Path] | None = None,
+) -> ServerState:
+    """What the routes share, for ``engine`` and the settings (``plugin_settings()``)."""
+    from lora_guard.metrics import metrics_of
+
+    return ServerState(
+        AsyncEngine(engine), limits_for(engine, settings), metrics=metrics_of(engine.hooks.pm),
+        keys=keys, adapter_dirs=list(adapter_dirs or []),
+    )  # fmt: skip
+
+
 class _Server(uvicorn.Server):
     """uvicorn, but a SIGTERM or Ctrl-C ends in a graceful shutdown and exit status 0 (uvicorn
     re-raises the signal after shutting down, which makes the exit status -15)."""
@@ -70,13 +134,7 @@ def serve(
     keys: KeyRing | None = None,
     adapter_dirs: list[Path] | None = None,
 ) -> int:
-    from lora_guard.metrics import metrics_of
-
-    state = ServerState(
-        AsyncEngine(engine), limits_for(engine, settings), metrics=metrics_of(engine.hooks.pm),
-        keys=keys, adapter_dirs=list(adapter_dirs or []),
-    )  # fmt: skip
-    app = create_app(state)
+    app = create_app(state_for(engine, settings, keys, adapter_dirs))
     config = uvicorn.Config(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=GRACE_S
     )

@@ -1,0 +1,347 @@
+"""lora-guard on Ray Serve: two engine replicas of the tiny model behind the adapter-affinity
+router, a seeded skewed trace replayed by four concurrent clients over real HTTP.
+
+Every answer must be the oracle's (``bench.oracle``: each request's greedy tokens with no KV
+shared). Adapter loads are the replicas' own count (``routing_stats()["loads"]``), compared with
+the offline best for the trace (``offline_best_loads``: Belady over the pooled seats of both
+replicas, a lower bound for any router). Ray Serve's default router (power of two choices with
+its multiplexed ranking) replays the same trace on a fresh deployment in the same test, and its
+loads are printed beside ours. Run ``pytest integration/test_serve_ray.py -s`` for the figures.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lora_guard.adapter_maker import make_adapters
+from lora_guard.bench.oracle import OracleRequest, oracle_tokens
+from lora_guard.bench.replay import EngineOptions
+from lora_guard.bench.stats import percentile
+from lora_guard.bench.workload import TraceRequest, WorkloadSpec, make_trace
+from lora_guard.testing import free_port
+
+ray = pytest.importorskip("ray", reason="needs lora-guard[ray]")
+serve = pytest.importorskip("ray.serve")
+
+from lora_guard import serve_ray  # noqa: E402
+from lora_guard.serve_ray.app import fleet_stats  # noqa: E402
+from lora_guard.serve_ray.offline_best import offline_best_loads  # noqa: E402
+
+REPLICAS, SEATS, CLIENTS = 2, 3, 4
+SPEC = WorkloadSpec(
+    adapters=6, tenants=2, requests=48, zipf=1.0, seed=3, system_prompt_words=12,
+    user_words_mean=6, output_mean=10, output_min=4, output_max=20,
+)  # fmt: skip
+ROUTER_BOUND = 1.1  # our loads over the offline best
+# More adapters than pooled seats: the replicas must evict, and the pooled optimum (one cache of
+# six seats with all of the future in view) is out of reach of replicas that each evict for
+# themselves. Measured 1.18x to 1.73x in nine runs; the bound is what holds there.
+MORE = replace(SPEC, adapters=10, requests=60)
+MORE_BOUND = 2.0
+
+
+@dataclass
+class Answer:
+    status: int = 0
+    tokens: list[int] = field(default_factory=list)
+    error: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class Fleet:
+    url: str
+    app_name: str
+    model: Path
+    adapters: Path
+
+
+@pytest.fixture(scope="module")
+def fleet_files(
+    tiny: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    model, _ = tiny
+    adapters = tmp_path_factory.mktemp("fleet-adapters")
+    make_adapters(model, adapters, n=MORE.adapters, ranks=(4, 8), strength=0.5, prefix="f")
+    return model, adapters
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield free_port()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def deploy(
+    files: tuple[Path, Path], port: int, router: str, route_prefix: str = "/",
+    replicas: int = REPLICAS, *more: str,
+) -> Fleet:  # fmt: skip
+    model, adapters = files
+    argv = ["--model", str(model), "--adapter-dir", str(adapters), "--host", "127.0.0.1",
+            "--port", str(port), "--kv-cache-memory", "16MiB", "--block-size", "4",
+            "--max-loras", str(SEATS), *more]  # fmt: skip
+    name = f"lora-guard{route_prefix.replace('/', '-')}".rstrip("-")
+    url = serve_ray.run(argv, replicas, router=router, app_name=name, replica_cpus=0.5,
+                        stats_period_s=0.5, route_prefix=route_prefix)  # fmt: skip
+    return Fleet(url, name, model, adapters)
+
+
+@pytest.fixture(scope="module")
+def fleet(fleet_files: tuple[Path, Path], port: int) -> Iterator[Fleet]:
+    """The adapter-affinity router's deployment (deleted at the end of the module)."""
+    running = deploy(fleet_files, port, "lora-guard")
+    yield running
+    serve.delete(running.app_name)
+
+
+def trace_of(spec: WorkloadSpec, adapters: Path) -> list[TraceRequest]:
+    return make_trace(spec, sorted(p.name for p in adapters.iterdir() if p.is_dir()))
+
+
+def oracle_of(files: tuple[Path, Path], trace: list[TraceRequest]) -> dict[str, list[int]]:
+    """The oracle's tokens per request id, batched, and alone under ``solo:ID``."""
+    model, adapters = files
+    options = EngineOptions(model=str(model), adapter_dir=str(adapters), kv_cache_memory="16MiB")
+    wanted = [OracleRequest(r.id, r.prompt, r.adapter_id, r.max_new_tokens, ignore_eos=False)
+              for r in trace]  # fmt: skip
+    table = oracle_tokens(wanted, options)
+    return {**table, **{f"solo:{k}": v for k, v in oracle_tokens(wanted, options, True).items()}}
+
+
+@pytest.fixture(scope="module")
+def trace(fleet: Fleet) -> list[TraceRequest]:
+    return trace_of(SPEC, fleet.adapters)
+
+
+@pytest.fixture(scope="module")
+def oracle(fleet_files: tuple[Path, Path], trace: list[TraceRequest]) -> dict[str, list[int]]:
+    return oracle_of(fleet_files, trace)
+
+
+def stream(client: httpx.Client, request: TraceRequest) -> Answer:
+    """One request on /generate_stream, as a TGI client sends it: its status and tokens."""
+    answer = Answer()
+    parameters = {"max_new_tokens": request.max_new_tokens, "adapter_id": request.adapter_id}
+    body = {"inputs": request.prompt, "parameters": parameters}
+    started = time.perf_counter()
+    with client.stream("POST", "/generate_stream", json=body,
+                       headers={"X-Tenant-Id": request.tenant}) as reply:  # fmt: skip
+        answer.status = reply.status_code
+        if reply.status_code != 200:
+            answer.error = reply.read().decode()
+        for line in reply.iter_lines() if reply.status_code == 200 else ():
+            if line.startswith("data:"):
+                event = json.loads(line[5:])
+                if "error" in event:
+                    answer.error = str(event["error"])
+                else:
+                    answer.tokens.append(int(event["token"]["id"]))
+    answer.seconds = time.perf_counter() - started
+    return answer
+
+
+def replay(url: str, trace: list[TraceRequest]) -> dict[str, Answer]:
+    """``CLIENTS`` clients, each sending the next request of the trace once its last one is
+    answered (closed loop)."""
+    pending = iter(trace)
+    lock = threading.Lock()
+    answers: dict[str, Answer] = {}
+
+    def client() -> None:
+        with httpx.Client(base_url=url, timeout=120) as http:
+            while True:
+                with lock:
+                    request = next(pending, None)
+                if request is None:
+                    return
+                try:
+                    answers[request.id] = stream(http, request)
+                except httpx.HTTPError as exc:
+                    answers[request.id] = Answer(error=f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=client) for _ in range(CLIENTS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(600)
+    return answers
+
+
+def wrong(answers: dict[str, Answer], oracle: dict[str, list[int]]) -> list[str]:
+    """Requests without the oracle's tokens (batched, else alone)."""
+    return [key for key, a in answers.items()
+            if a.status != 200 or a.error is not None
+            or a.tokens not in (oracle[key], oracle[f"solo:{key}"])]  # fmt: skip
+
+
+def fresh_run(
+    files: tuple[Path, Path], port: int, router: str, trace: list[TraceRequest], tag: str = ""
+) -> tuple[int, dict[str, Answer]]:
+    """Adapter loads and answers of ``trace`` on a fresh deployment behind ``router``."""
+    fleet = deploy(files, port, router, f"/{router}{tag}")
+    try:
+        answers = replay(fleet.url, trace)
+        return sum(s["loads"] for s in fleet_stats(fleet.app_name)), answers
+    finally:
+        serve.delete(fleet.app_name)
+
+
+def figures(
+    trace: list[TraceRequest], ours: int, ray_default: int, best: int,
+    answers: dict[str, Answer], default_answers: dict[str, Answer], started: float,
+) -> str:  # fmt: skip
+    def p95(of: dict[str, Answer]) -> float:
+        return percentile([a.seconds * 1000 for a in of.values()], 95) or 0.0
+
+    return (
+        f"\n{len(trace)} requests, {len({r.adapter_id for r in trace} - {None})} adapters, "
+        f"{REPLICAS} replicas x {SEATS} seats, {CLIENTS} clients: adapter loads: "
+        f"lora-guard router {ours}, Ray default router {ray_default}, offline best {best} "
+        f"(ours {ours / best:.2f}x, Ray default {ray_default / best:.2f}x); request p95 "
+        f"{p95(answers):.0f} ms (lora-guard), {p95(default_answers):.0f} ms (Ray default); "
+        f"{time.perf_counter() - started:.0f} s"
+    )
+
+
+def test_a_skewed_trace_from_four_clients_is_correct_and_loads_near_the_offline_best(
+    fleet: Fleet,
+    fleet_files: tuple[Path, Path],
+    port: int,
+    trace: list[TraceRequest],
+    oracle: dict[str, list[int]],
+) -> None:
+    # First in the module: the fleet has served nothing yet.
+    assert sum(s["loads"] for s in fleet_stats(fleet.app_name)) == 0
+    started = time.perf_counter()
+    best = offline_best_loads([r.adapter_id for r in trace], REPLICAS, SEATS)
+    answers = replay(fleet.url, trace)
+    ours = sum(s["loads"] for s in fleet_stats(fleet.app_name))
+    assert len(answers) == len(trace)
+    assert wrong(answers, oracle) == []
+
+    # Ray Serve's default router on a fresh deployment of its own, beside ours (idle now).
+    ray_default, default_answers = fresh_run(fleet_files, port, "ray-default", trace)
+    print(figures(trace, ours, ray_default, best, answers, default_answers, started))
+    assert wrong(default_answers, oracle) == []  # both routers serve correct answers
+    assert best <= ours <= ROUTER_BOUND * best
+
+
+def test_openai_routes_and_bad_requests_through_the_ingress(fleet: Fleet) -> None:
+    prompt = "The capital of France is"
+    tgi = httpx.post(fleet.url + "/generate", timeout=60, json={
+        "inputs": prompt, "parameters": {"max_new_tokens": 6, "adapter_id": "f-01"}})  # fmt: skip
+    assert tgi.status_code == 200, tgi.text
+    completion = httpx.post(fleet.url + "/v1/completions", timeout=60, json={
+        "model": "f-01", "prompt": prompt, "max_tokens": 6})  # fmt: skip
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["choices"][0]["text"] == tgi.json()["generated_text"]
+    chat = httpx.post(fleet.url + "/v1/chat/completions", json={
+        "model": "f-02", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
+    }, timeout=60)  # fmt: skip
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
+    unknown = httpx.post(fleet.url + "/generate", json={"inputs": "x",
+                         "parameters": {"adapter_id": "no-such-adapter"}}, timeout=60)  # fmt: skip
+    assert unknown.status_code == 422 and "no-such-adapter" in unknown.json()["error"]
+    broken = httpx.post(fleet.url + "/generate", content=b"{not json", timeout=60,
+                        headers={"content-type": "application/json"})  # fmt: skip
+    assert broken.status_code == 422
+    admin = httpx.post(fleet.url + "/v1/adapters/f-01/pin", timeout=60)
+    assert admin.status_code == 501 and "one replica" in admin.json()["error"]
+    assert httpx.get(fleet.url + "/health", timeout=60).status_code == 200
+    info = httpx.get(fleet.url + "/info", timeout=60).json()
+    assert info["router"] == "lora-guard"
+
+
+def aborted(fleet: Fleet) -> float:
+    """Requests the replicas aborted (``tgi_request_failure{err="abort"}``), summed."""
+    prefix = 'tgi_request_failure{err="abort"} '
+    return sum(float(line.removeprefix(prefix)) for s in fleet_stats(fleet.app_name)
+               for line in s["metrics"].splitlines() if line.startswith(prefix))  # fmt: skip
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_its_request_in_the_engine(
+    fleet: Fleet,
+) -> None:
+    before = aborted(fleet)
+    body = {"inputs": "hi", "parameters": {"max_new_tokens": 480, "adapter_id": "f-00"}}
+    with httpx.stream("POST", fleet.url + "/generate_stream", json=body, timeout=60) as reply:
+        assert reply.status_code == 200
+        events = 0
+        for line in reply.iter_lines():
+            events += line.startswith("data:")
+            if events == 3:
+                break  # the client goes away after three tokens
+    deadline = time.monotonic() + 10
+    while aborted(fleet) == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert aborted(fleet) == before + 1
+    assert all(s["queue"] == 0 for s in fleet_stats(fleet.app_name))
+
+
+def test_bench_target_replays_against_the_fleet(fleet: Fleet, tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    loads_before = sum(s["loads"] for s in fleet_stats(fleet.app_name))
+    done = subprocess.run(
+        [sys.executable, "-m", "lora_guard.cli", "bench", "--target", fleet.url,
+         "--adapters", "6", "--tenants", "2", "--requests", "12", "--rate", "6",
+         "--output-mean", "10", "--system-prompt-words", "12", "--user-words", "6",
+         "--model", str(fleet.model), "--adapter-dir", str(fleet.adapters),
+         "--json", str(report_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    target = json.loads(report_path.read_text())["schemes"]["target"]
+    assert target["requests"] == target["completed"] == 12
+    assert target["oracle_mismatches"] == 0
+    # The fleet's /metrics sum both replicas' counters: the swaps it shows are the replicas' loads.
+    loads = sum(s["loads"] for s in fleet_stats(fleet.app_name)) - loads_before
+    assert target["swaps"] == loads and target["hit_rate"] is not None
+
+
+def test_with_api_keys_the_fleet_checks_them_and_its_metrics_need_an_admin_key(
+    fleet_files: tuple[Path, Path], port: int, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[keys.app]\nkey = "app-secret-key"\ntenant = "acme"\n'
+                    '[keys.ops]\nkey = "ops-secret-key"\nadmin = true\n')  # fmt: skip
+    keyed = deploy(fleet_files, port, "lora-guard", "/keyed", 1, "--api-key-file", str(keys))
+    try:
+        body = {"inputs": "hello", "parameters": {"max_new_tokens": 2, "adapter_id": "f-00"}}
+        assert httpx.post(keyed.url + "/generate", json=body, timeout=60).status_code == 401
+        app = {"Authorization": "Bearer app-secret-key"}
+        ops = {"Authorization": "Bearer ops-secret-key"}
+        assert httpx.post(keyed.url + "/generate", json=body, headers=app,
+                          timeout=60).status_code == 200  # fmt: skip
+        assert httpx.get(keyed.url + "/metrics", headers=app, timeout=60).status_code == 403
+        metrics = httpx.get(keyed.url + "/metrics", headers=ops, timeout=60)
+        assert metrics.status_code == 200 and "lora_guard_adapter_lookups_total" in metrics.text
+    finally:
+        serve.delete(keyed.app_name)
+
+
+def test_with_more_adapters_than_seats_every_answer_is_right_and_loads_stay_bounded(
+    fleet_files: tuple[Path, Path], port: int
+) -> None:
+    trace = trace_of(MORE, fleet_files[1])
+    oracle = oracle_of(fleet_files, trace)
+    started = time.perf_counter()
+    best = offline_best_loads([r.adapter_id for r in trace], REPLICAS, SEATS)
+    ours, answers = fresh_run(fleet_files, port, "lora-guard", trace, "-more")
+    ray_default, default_answers = fresh_run(fleet_files, port, "ray-default", trace, "-more")
+    print(figures(trace, ours, ray_default, best, answers, default_answers, started))
+    assert wrong(answers, oracle) == [] and wrong(default_answers, oracle) == []
+    assert ours <= MORE_BOUND * best
