@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_bench_arguments(bench)
 
+    commands.add_parser(
+        "simulate",
+        help="compare routers over many replicas and adapters in a model calibrated on the "
+        "engine (--calibrate measures it); `lora-guard simulate --help` lists the options",
+        add_help=False,
+    )
+
     plugins = commands.add_parser(
         "plugins",
         help="list the plugins that would load, the hooks they implement and their settings",
@@ -130,6 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
         return _serve(argv[1:])
+    if argv and argv[0] == "simulate":
+        from lora_guard.simulate import main as simulate
+
+        return simulate(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "prepare-demo":
