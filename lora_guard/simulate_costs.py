@@ -1,6 +1,7 @@
 """The simulator's costs, measured on the engine (``lora-guard simulate --calibrate OUT.json``).
 
-Steps: batches of 1 to 32 sequences over 0 to 8 resident adapters, prompts of two lengths, each
+Steps: batches of 1 to 32 sequences over 0 to 8 resident adapters, prompts of two lengths, the
+requests of a batch arriving one a step as in serving (each prefill joins the decodes), each
 step of ``LLMEngine.step`` timed with what it computed (sequences, the bytes of the distinct
 adapters it read, the prompt tokens it prefilled). The step cost is fitted as a line,
 ``fixed + per sequence + per MiB of adapter bytes + per prefill token``, by least squares; the
@@ -27,8 +28,8 @@ if TYPE_CHECKING:
     from lora_guard.engine import LLM
 
 MIB = 2**20
-BATCHES = (1, 2, 4, 8, 16, 32)
-ADAPTERS_PER_BATCH = (0, 1, 2, 4, 8)
+BATCHES = (1, 4, 16, 32)
+ADAPTERS_PER_BATCH = (0, 1, 4, 8)
 PROMPT_TOKENS = (16, 96)
 DEFAULT_SOURCE = "the demo model on a 2-core CPU, float32 (docs/simulate-costs.json)"
 
@@ -137,8 +138,8 @@ def measure_steps(
     batches: Sequence[int] = BATCHES,
     adapters_per_batch: Sequence[int] = ADAPTERS_PER_BATCH,
     prompt_tokens: Sequence[int] = PROMPT_TOKENS,
-    new_tokens: int = 24,
-    repeats: int = 3,
+    new_tokens: int = 16,
+    repeats: int = 2,
     seed: int = 0,
 ) -> list[StepSample]:
     """Every step of batches of each size, over each number of adapters, with each prompt
@@ -299,7 +300,7 @@ def calibrate_command(
         calibration = calibrate(llm, ids)
         llm.engine.shutdown()
     about = {
-        "command": f"lora-guard simulate --calibrate {out.name}",
+        "command": f"lora-guard simulate --calibrate {out.name if out.is_absolute() else out}",
         "model": model.name, "device": device, "dtype": dtype,
         "torch_threads": torch.get_num_threads(), "adapters": len(ids),
     }  # fmt: skip

@@ -106,3 +106,21 @@ def test_costs_written_by_calibration_are_read_back(tmp_path: Path) -> None:
     assert simulate(trace, "lora-guard", 1, 1, read).latency_p95_ms == pytest.approx(
         read.load() + read.step(1, 1, 10) + 19 * read.step(1, 1, 0)  # read, write, 20 steps
     )
+
+
+def test_lora_guard_simulate_prints_one_row_per_router_with_the_costs_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lora_guard.cli import main
+    from lora_guard.simulate_costs import Calibration, Fit
+
+    fit = Fit((1.0,), 0.1, 0.01, 0.02, 5)
+    path = tmp_path / "costs.json"
+    write_costs(Calibration(Costs(step_ms=20.0), fit, fit, fit), path, {"model": "tiny"})
+    argv = ["simulate", "--adapters", "30", "--replicas", "2", "--requests", "200",
+            "--routers", "lora-guard,power-of-two", "--costs", str(path)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "costs.json (tiny" in out
+    rows = [line for line in out.splitlines() if line.startswith("| 2 |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["lora-guard", "power-of-two"]
