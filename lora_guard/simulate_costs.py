@@ -15,6 +15,7 @@ This module imports no torch until it measures: the simulator reads the costs wi
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -31,24 +32,25 @@ MIB = 2**20
 BATCHES = (1, 4, 16, 32)
 ADAPTERS_PER_BATCH = (0, 1, 4, 8)
 PROMPT_TOKENS = (16, 96)
-DEFAULT_SOURCE = "the demo model on a 2-core CPU, float32 (docs/simulate-costs.json)"
+DEFAULT_SOURCE = "the demo model on a busy 2-core CPU, float32 (docs/simulate-costs.json)"
 
 
 @dataclass(frozen=True)
 class Costs:
-    """Engine costs in milliseconds. The defaults are the demo model's (SmolLM2-135M, float32)
-    on a 2-core CPU, from the calibration run written to docs/simulate-costs.json (its command is
-    in docs/simulate.md)."""
+    """Engine costs in milliseconds. The defaults are the demo model's (SmolLM2-135M, float32,
+    8 adapters of ranks 8 to 32 on every projection) on a 2-core CPU that other work shared (load
+    average 2.7 to 4.5), rounded from the run of ``lora-guard simulate --calibrate
+    docs/simulate-costs.json`` (docs/simulate.md)."""
 
-    step_ms: float = 55.0
-    step_per_seq_ms: float = 1.9
-    step_per_adapter_mib_ms: float = 0.33
-    prefill_per_token_ms: float = 1.2
-    read_ms: float = 3.0  # an adapter's folder into host memory, on the loader thread
-    read_per_mib_ms: float = 1.0
-    write_ms: float = 0.5  # host memory into the cache pool, in the step
-    write_per_mib_ms: float = 0.5
-    adapter_mib: float = 12.0  # one adapter's weights
+    step_ms: float = 78.4
+    step_per_seq_ms: float = 5.95
+    step_per_adapter_mib_ms: float = 0.99
+    prefill_per_token_ms: float = 2.81
+    read_ms: float = -8.6  # an adapter's folder into host memory, on the loader thread
+    read_per_mib_ms: float = 3.15
+    write_ms: float = 18.2  # host memory into the cache pool, in the step
+    write_per_mib_ms: float = 0.33
+    adapter_mib: float = 19.8  # one adapter's weights
     source: str = DEFAULT_SOURCE
 
     def step(self, num_seqs: int, num_adapters: int, prefill_tokens: int) -> float:
@@ -296,13 +298,15 @@ def calibrate_command(
         llm = LLM(model, adapters={a: adapter_dir / a for a in ids}, max_loras=len(ids),
                   cache_memory="1GiB", dtype=dtype, device=device, max_num_seqs=max(BATCHES),
                   policies="lru")  # fmt: skip
-        started = time.perf_counter()
+        started, load_before = time.perf_counter(), os.getloadavg()[0]
         calibration = calibrate(llm, ids)
+        model_id = llm.engine.model_id
         llm.engine.shutdown()
     about = {
         "command": f"lora-guard simulate --calibrate {out.name if out.is_absolute() else out}",
-        "model": model.name, "device": device, "dtype": dtype,
-        "torch_threads": torch.get_num_threads(), "adapters": len(ids),
+        "model": model_id, "device": device, "dtype": dtype,
+        "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(), "adapters": len(ids),
+        "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # before, after
     }  # fmt: skip
     write_costs(calibration, out, about)
     print(calibration.summary())
