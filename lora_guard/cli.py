@@ -107,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_bench_arguments(bench)
 
+    commands.add_parser(
+        "simulate",
+        help="compare routers over many replicas and adapters in a model calibrated on the "
+        "engine (--calibrate measures it); `lora-guard simulate --help` lists the options",
+        add_help=False,
+    )
+
     plugins = commands.add_parser(
         "plugins",
         help="list the plugins that would load, the hooks they implement and their settings",
@@ -138,6 +145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(argv[1:])
     if argv and argv[0] == "serve-ray":
         return _serve_ray(argv[1:])
+    if argv and argv[0] == "simulate":
+        from lora_guard.simulate import main as simulate
+
+        return simulate(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "prepare-demo":

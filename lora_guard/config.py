@@ -230,7 +230,8 @@ _ROWS: tuple[Setting, ...] = (
     Setting("max_stop_sequences", at_least(0), 4, "most stop sequences per request",
             metavar="N"),
     Setting("api_key_file", _path, None, "TOML file of API keys ([keys.NAME] with key or sha256, "
-            "tenant, adapters, admin); without it the tenant comes from X-Tenant-Id",
+            "tenant, adapters, admin); without it the tenant comes from X-Tenant-Id, else "
+            "X-Gateway-Inference-Fairness-Id",
             metavar="FILE"),
     Setting("policies", _policies, DEFAULT_POLICIES, "comma list of hot-set, cold-budget, "
             "kv-namespace, or one baseline: lru, on-demand, static (which needs "

@@ -91,7 +91,9 @@ METRICS = (
            "Share of the cache pool in use (KV blocks and adapter pages), 0 to 1."),
     # vLLM's names, for routers that already read them
     Metric("vllm:lora_requests_info", "gauge",
-           "Running stats on LoRA requests (value: time of the last update, Unix seconds).",
+           "Running stats on LoRA requests (value: time of the last update, Unix seconds): the "
+           "adapters resident, those requests wait for, and max_lora, the seats plus the resident "
+           "adapters no request needs (running + waiting < max_lora: room to load one).",
            ("running_lora_adapters", "waiting_lora_adapters", "max_lora")),
     Metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches."),
     Metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
@@ -284,17 +286,35 @@ class MetricsPlugin:
         self._resident = resident
 
     def _update_lora_info(self, state: EngineState) -> None:
-        labels = (
-            ",".join(sorted(set(state.running_adapters))),
-            ",".join(sorted(set(state.waiting_adapters))),
-            str(len(state.slots)),
-        )
+        labels = lora_requests_labels(state)
         gauge = self.gauge["vllm:lora_requests_info"]
         gauge.labels(*labels).set_to_current_time()
         if labels != self._lora_info:
             if self._lora_info is not None:
                 gauge.remove(*self._lora_info)
             self._lora_info = labels
+
+
+def lora_requests_labels(state: EngineState) -> tuple[str, str, str]:
+    """``vllm:lora_requests_info``'s labels as a gateway's endpoint picker reads them: it counts
+    ``running + waiting < max_lora`` as room to load an adapter. Running: the adapters resident
+    in the pool (a request for one is served without a load). Waiting: the adapters requests wait
+    for that are not resident (loading, or waiting for a seat). ``max_lora``: the seats, plus the
+    resident adapters that may leave now for free (no request needs them, not pinned), so that
+    the inequality holds exactly when a load can take a seat without evicting an adapter that
+    requests still need."""
+    resident = {v.adapter_id for v in state.slots if v.adapter_id is not None}
+    needed = set(state.running_adapters) | set(state.waiting_adapters)
+    # Between steps the engine lets an adapter no request needs leave at once (the quantum holds
+    # only needed ones); the state a step reports still counts its own batch as using them.
+    idle = {v.adapter_id for v in state.slots
+            if v.adapter_id is not None and v.adapter_id not in needed
+            and v.adapter_id not in state.pinned}  # fmt: skip
+    return (
+        ",".join(sorted(resident)),
+        ",".join(sorted(needed - resident)),
+        str(len(state.slots) + len(idle)),
+    )
 
 
 def metrics_of(pm: pluggy.PluginManager) -> MetricsPlugin | None:

@@ -1,57 +1,49 @@
 """``lora-guard simulate``: many replicas and many adapters, routers compared on one trace.
 
-A discrete-event model of engine replicas, each with ``slots`` adapter seats, one loader and
-continuous batching, behind a router. Costs come from the engine's measurements (``Costs``): a
-step costs a fixed part, a part per sequence, a part per MiB of adapter weights the batch reads
-and a part per prompt token it prefills; a load costs a fixed part and a part per MiB. A replica
-evicts its least recently used adapter that no running request needs; a request whose adapter is
-not resident waits for its load. Routers see the replicas as a Ray router does: queue lengths at
-once, resident adapters as last pushed (every ``stats_period_s``).
+A discrete-event model of engine replicas behind a router, step by step as the engine schedules
+(``engine/scheduler.py``, ``engine/lora/residency.py``). Each step first brings in the adapters
+that waiting and parked requests need, the oldest need first: an adapter in host memory is
+written into the pool during the step (a free seat, else the least recently used adapter no
+request needs, else the one whose residency quantum is over); one on disk is read on the loader
+thread, one at a time, into host memory (``host_slots`` adapters, LRU). Then running requests
+whose adapter is resident get their next tokens (parked ones keep their place), and waiting ones
+whose adapter is resident are admitted while ``max_num_seqs`` and the token budget allow.
+
+A step costs a fixed part, a part per sequence, a part per MiB of adapter weights the batch
+reads and a part per prompt token it prefills, plus the pool writes of its loads (``Costs``,
+measured on the engine by ``lora-guard simulate --calibrate``). Routers see the replicas as a Ray
+router does: queue lengths at once, resident adapters as last pushed (every ``stats_period_s``).
 
 Routers: ``lora-guard`` (``serve_ray.ranking``: affinity, room to load, spread, reserved loads),
 ``ray-multiplex`` (Ray Serve's multiplexed ranking: replicas that report the model, then those with
 the fewest models, power of two choices within a rank) and ``power-of-two`` (no affinity).
+
+Not modelled: the guard policies (hot set, cold-load budget: the replicas decide as the ``lru``
+policy does), the KV pool's size (no preemption), the prefix cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
-import math
 import random
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from lora_guard.bench.stats import percentile
+from lora_guard.bench.workload import WorkloadSpec, make_trace, mean_rate
 from lora_guard.serve_ray.ranking import AffinityRanker, ReplicaView
+from lora_guard.simulate_costs import Costs, read_costs
+
+if TYPE_CHECKING:
+    from lora_guard.bench.workload import TraceRequest
 
 ROUTERS = ("lora-guard", "ray-multiplex", "power-of-two")
-
-
-@dataclass(frozen=True)
-class Costs:
-    """Engine costs in milliseconds. The defaults are the demo model's on a 2-core CPU in float32,
-    from docs/benchmarks.md (engine speed: decode steps at batch 8 and 32, the mixed step's extra
-    over its adapters' bytes, prefill; round-2 run: host-to-pool loads of its adapters)."""
-
-    step_ms: float = 74.0
-    step_per_seq_ms: float = 1.85
-    step_per_adapter_mib_ms: float = 0.33
-    prefill_per_token_ms: float = 1.37
-    load_ms: float = 5.0
-    load_per_mib_ms: float = 1.25
-    adapter_mib: float = 24.0  # one adapter's weights
-
-    def step(self, num_seqs: int, num_adapters: int, prefill_tokens: int) -> float:
-        return (self.step_ms + self.step_per_seq_ms * num_seqs
-                + self.step_per_adapter_mib_ms * self.adapter_mib * num_adapters
-                + self.prefill_per_token_ms * prefill_tokens)  # fmt: skip
-
-    def load(self) -> float:
-        return self.load_ms + self.load_per_mib_ms * self.adapter_mib
+DEFAULT_COSTS = Costs()
 
 
 @dataclass(frozen=True)
@@ -70,8 +62,15 @@ class Outcome:
     hit: bool = False  # its adapter was resident on its replica when it arrived
     first_token: float | None = None
     finish: float | None = None
-    remaining: int = 0
-    prefilled: bool = False
+    computed: int = 0  # prompt tokens computed
+    generated: int = 0
+    needed_since: float | None = None  # since when it waits for its adapter (the engine's order)
+
+
+@dataclass
+class _Seat:
+    loaded_at: float
+    last_used: float
 
 
 @dataclass
@@ -81,19 +80,24 @@ class Replica:
     max_num_seqs: int
     costs: Costs
     quantum_s: float
-    resident: OrderedDict[str, float] = field(default_factory=OrderedDict)  # -> loaded at
-    active: list[Outcome] = field(default_factory=list)  # in arrival order
-    loading: str | None = None
+    host_slots: int = 32
+    max_batch_tokens: int = 2048
+    resident: OrderedDict[str, _Seat] = field(default_factory=OrderedDict)  # least recent first
+    host: OrderedDict[str, None] = field(default_factory=OrderedDict)  # least recent first
+    running: list[Outcome] = field(default_factory=list)  # admitted, in admission order
+    waiting: list[Outcome] = field(default_factory=list)  # in arrival order
+    reads: list[str] = field(default_factory=list)  # queued for the loader, the first being read
     stepping: bool = False
     retry_at: float | None = None  # when a seat's quantum ends, if a load waits for it
-    loads: int = 0
+    loads: int = 0  # pool writes (the engine's adapter loads)
+    disk_reads: int = 0
 
     @property
     def queue_len(self) -> int:
-        return len(self.active)
+        return len(self.running) + len(self.waiting)
 
     def free_seats(self) -> int:
-        return self.slots - len(self.resident) - (self.loading is not None)
+        return self.slots - len(self.resident)
 
     def usable(self, outcome: Outcome) -> bool:
         return outcome.request.adapter_id is None or outcome.request.adapter_id in self.resident
@@ -115,80 +119,158 @@ class _Events:
 
 
 class _Fleet:
-    """The replicas and what happens in them: the engine's step-level residency. A request whose
-    adapter is out waits (parked, its KV kept); the loader brings in the adapter of the oldest
-    waiting request, evicting the least recently used adapter that has been resident for at
-    least the quantum (one no request needs first)."""
+    """The replicas and what happens in them, one engine step at a time."""
 
     def __init__(self, replicas: list[Replica], events: _Events) -> None:
         self.replicas, self.events = replicas, events
 
     def arrive(self, replica: Replica, outcome: Outcome, now: float) -> None:
-        outcome.replica, outcome.remaining = replica.replica_id, outcome.request.new_tokens
+        outcome.replica = replica.replica_id
         outcome.hit = replica.usable(outcome)
-        replica.active.append(outcome)
-        self._load_next(replica, now)
-        self._step(replica, now)
+        replica.waiting.append(outcome)
+        self._wake(replica, now)
 
-    def _load_next(self, replica: Replica, now: float) -> None:
-        if replica.loading is not None:
+    def _wake(self, replica: Replica, now: float) -> None:
+        """Form and start the next step, unless one is running or nothing can run."""
+        if replica.stepping:
             return
-        wanted = next((o.request.adapter_id for o in replica.active if not replica.usable(o)),
-                      None)  # fmt: skip
-        if wanted is None:
-            return
-        if len(replica.resident) >= replica.slots:
-            needed = {o.request.adapter_id for o in replica.active}
-            aged = [a for a, at in replica.resident.items() if at + replica.quantum_s <= now]
-            victim = next((a for a in aged if a not in needed), aged[0] if aged else None)
-            if victim is None:
-                first = min(replica.resident.values()) + replica.quantum_s
-                if replica.retry_at is None or replica.retry_at > first:
-                    replica.retry_at = first
-                    self.events.at(first, lambda t: self._retry(replica, t))
-                return
-            del replica.resident[victim]
-        replica.loading = wanted
-        self.events.at(now + replica.costs.load() / 1000, lambda t: self._loaded(replica, t))
+        write_ms = self._bring_in(replica, now)
+        batch, prefill = self._batch(replica)
+        adapters = {o.request.adapter_id for o, _ in batch} - {None}
+        for adapter in adapters:
+            assert adapter is not None
+            replica.resident[adapter].last_used = now
+            replica.resident.move_to_end(adapter)
+        if not batch and not write_ms:
+            self._retry_later(replica, now)
+            return  # idle until an arrival, a finished read or a quantum's end
+        duration = write_ms
+        if batch:
+            duration += replica.costs.step(len(batch), len(adapters), prefill)
+        replica.stepping = True
+        self.events.at(now + duration / 1000, lambda t: self._stepped(replica, batch, t))
+
+    def _retry_later(self, replica: Replica, now: float) -> None:
+        """An idle replica whose parked or waiting requests need a seat that no adapter may
+        leave yet tries again when the first quantum ends (the engine polls each step)."""
+        if any(not replica.usable(o) for o in (*replica.running, *replica.waiting)):
+            first = min((s.loaded_at for s in replica.resident.values()), default=now)
+            at = max(first + replica.quantum_s, now)
+            if at > now and (replica.retry_at is None or replica.retry_at > at):
+                replica.retry_at = at
+                self.events.at(at, lambda t: self._retry(replica, t))
 
     def _retry(self, replica: Replica, now: float) -> None:
         replica.retry_at = None
-        self._load_next(replica, now)
+        self._wake(replica, now)
 
-    def _loaded(self, replica: Replica, now: float) -> None:
-        adapter, replica.loading = replica.loading, None
-        assert adapter is not None
-        replica.resident[adapter] = now
-        replica.loads += 1
-        self._load_next(replica, now)
-        self._step(replica, now)
+    def _bring_in(self, replica: Replica, now: float) -> float:
+        """Load the adapters waiting and parked requests need, oldest need first; returns the
+        milliseconds of pool writes this step makes."""
+        needing = []
+        for o in (*replica.running, *replica.waiting):
+            if not replica.usable(o):
+                if o.needed_since is None:
+                    o.needed_since = now
+                needing.append(o)
+        needing.sort(key=lambda o: o.needed_since or now)
+        demand = {o.request.adapter_id for o in (*replica.running, *replica.waiting)}
+        write_ms, tried = 0.0, set()
+        for outcome in needing:
+            adapter = outcome.request.adapter_id
+            assert adapter is not None
+            if adapter in tried:
+                continue
+            tried.add(adapter)
+            if adapter not in replica.host:
+                self._read(replica, adapter, now)
+                continue
+            if len(replica.resident) >= replica.slots and not self._evict(replica, demand, now):
+                continue
+            replica.host.move_to_end(adapter)
+            replica.resident[adapter] = _Seat(now, now)
+            replica.loads += 1
+            write_ms += replica.costs.write()
+        return write_ms
 
-    def _step(self, replica: Replica, now: float) -> None:
-        if replica.stepping:
+    def _evict(self, replica: Replica, demand: Collection[str | None], now: float) -> bool:
+        """Free a seat as the engine does: the least recently used adapter no request needs,
+        else the least recently used whose quantum is over; False when none may leave."""
+        idle = next((a for a in replica.resident if a not in demand), None)
+        if idle is None:
+            idle = next((a for a, seat in replica.resident.items()
+                         if now - seat.loaded_at >= replica.quantum_s), None)  # fmt: skip
+        if idle is None:
+            return False
+        del replica.resident[idle]
+        return True
+
+    def _read(self, replica: Replica, adapter: str, now: float) -> None:
+        if adapter in replica.reads:
             return
-        batch = [o for o in replica.active if replica.usable(o)][: replica.max_num_seqs]
-        if not batch:
-            return
-        adapters = {o.request.adapter_id for o in batch} - {None}
-        for adapter in adapters:
-            replica.resident.move_to_end(adapter)  # type: ignore[arg-type]
-        prefill = sum(o.request.prompt_tokens for o in batch if not o.prefilled)
-        duration = replica.costs.step(len(batch), len(adapters), prefill) / 1000
-        replica.stepping = True
-        self.events.at(now + duration, lambda t: self._stepped(replica, batch, t))
+        replica.reads.append(adapter)
+        if len(replica.reads) == 1:
+            self.events.at(now + replica.costs.read() / 1000, lambda t: self._read_done(replica, t))
 
-    def _stepped(self, replica: Replica, batch: list[Outcome], now: float) -> None:
+    def _read_done(self, replica: Replica, now: float) -> None:
+        adapter = replica.reads.pop(0)
+        replica.disk_reads += 1
+        replica.host[adapter] = None
+        replica.host.move_to_end(adapter)
+        while len(replica.host) > replica.host_slots:
+            replica.host.popitem(last=False)
+        if replica.reads:
+            self.events.at(now + replica.costs.read() / 1000, lambda t: self._read_done(replica, t))
+        self._wake(replica, now)
+
+    def _batch(self, replica: Replica) -> tuple[list[tuple[Outcome, int]], int]:
+        """The step's sequences with their new tokens, and its prefill tokens."""
+        budget, batch, prefill = replica.max_batch_tokens, [], 0
+        for outcome in replica.running:
+            if budget <= 0:
+                break
+            if replica.usable(outcome):
+                n = min(_uncomputed(outcome), budget)
+                batch.append((outcome, n))
+                budget -= n
+        admitted: list[Outcome] = []
+        for outcome in replica.waiting:
+            if budget <= 0 or len(replica.running) + len(admitted) >= replica.max_num_seqs:
+                break
+            if replica.usable(outcome):
+                n = min(_uncomputed(outcome), budget)
+                batch.append((outcome, n))
+                admitted.append(outcome)
+                budget -= n
+        if admitted:
+            taken = {id(o) for o in admitted}
+            replica.waiting = [o for o in replica.waiting if id(o) not in taken]
+            replica.running.extend(admitted)
+        for outcome, n in batch:
+            outcome.needed_since = None
+            if outcome.computed < outcome.request.prompt_tokens:
+                prefill += n
+        return batch, prefill
+
+    def _stepped(self, replica: Replica, batch: list[tuple[Outcome, int]], now: float) -> None:
         replica.stepping = False
-        for outcome in batch:
-            outcome.prefilled = True
-            outcome.remaining -= 1
+        for outcome, n in batch:
+            prompt = outcome.request.prompt_tokens
+            if outcome.computed < prompt:
+                outcome.computed += n
+                if outcome.computed < prompt:
+                    continue  # a chunk of its prompt: no token yet
+            outcome.generated += 1
             if outcome.first_token is None:
                 outcome.first_token = now
-            if outcome.remaining == 0:
+            if outcome.generated >= outcome.request.new_tokens:
                 outcome.finish = now
-        replica.active = [o for o in replica.active if o.finish is None]
-        self._load_next(replica, now)
-        self._step(replica, now)
+        replica.running = [o for o in replica.running if o.finish is None]
+        self._wake(replica, now)
+
+
+def _uncomputed(outcome: Outcome) -> int:
+    return max(outcome.request.prompt_tokens - outcome.computed, 1)
 
 
 class Router(Protocol):
@@ -236,11 +318,15 @@ class SimResult:
     replicas: int
     requests: int
     completed: int
-    loads: int
-    hit_rate: float
+    loads: int  # adapter loads into the pool, all replicas
+    hit_rate: float  # share of requests whose adapter was resident on arrival
     ttft_p50_ms: float
     ttft_p95_ms: float
     busiest_share: float  # the busiest replica's share of the requests
+    latency_p50_ms: float = 0.0  # arrival to last token
+    latency_p95_ms: float = 0.0
+    disk_reads: int = 0  # adapters read from disk into host memory, all replicas
+    loads_per_replica: tuple[int, ...] = ()
 
 
 def simulate(
@@ -248,19 +334,32 @@ def simulate(
     router_name: str,
     replicas: int,
     slots: int,
-    costs: Costs = Costs(),
+    costs: Costs = DEFAULT_COSTS,
     max_num_seqs: int = 64,
     max_queue: int = 64,
     stats_period_s: float = 0.5,
     quantum_s: float = 1.0,
     seed: int = 0,
+    *,
+    host_slots: int = 32,
+    max_batch_tokens: int = 2048,
+    start_resident: Sequence[str] = (),
+    start_host: Sequence[str] = (),
 ) -> SimResult:
-    """Replay ``trace`` on ``replicas`` replicas behind the router ``router_name``."""
+    """Replay ``trace`` on ``replicas`` replicas of ``slots`` adapter seats behind the router
+    ``router_name``. Every replica starts with ``start_resident`` in its pool (the last ones
+    if they are more than the seats) and ``start_host`` in host memory."""
     rng = random.Random(seed)
     events = _Events()
-    fleet = _Fleet(
-        [Replica(f"r{i}", slots, max_num_seqs, costs, quantum_s) for i in range(replicas)], events
-    )
+    fleet = _Fleet([], events)
+    for i in range(replicas):
+        replica = Replica(f"r{i}", slots, max_num_seqs, costs, quantum_s, host_slots,
+                          max_batch_tokens)  # fmt: skip
+        for adapter in [*start_host, *start_resident][-host_slots:]:
+            replica.host[adapter] = None
+        for adapter in list(start_resident)[-slots:]:
+            replica.resident[adapter] = _Seat(-quantum_s, -quantum_s)
+        fleet.replicas.append(replica)
     router: Router
     if router_name == "lora-guard":
         router = AffinityRouter()
@@ -294,41 +393,46 @@ def simulate(
     for outcome in outcomes:
         events.at(outcome.request.time, arrive(outcome))
     events.run()
-    ttft = sorted((o.first_token - o.request.time) * 1000 for o in outcomes
-                  if o.first_token is not None)  # fmt: skip
+    ttft = [(o.first_token - o.request.time) * 1000 for o in outcomes if o.first_token is not None]
+    latency = [(o.finish - o.request.time) * 1000 for o in outcomes if o.finish is not None]
     per_replica = [sum(o.replica == r.replica_id for o in outcomes) for r in fleet.replicas]
     return SimResult(
         router=router_name,
         replicas=replicas,
         requests=len(outcomes),
-        completed=sum(o.finish is not None for o in outcomes),
+        completed=len(latency),
         loads=sum(r.loads for r in fleet.replicas),
-        hit_rate=sum(o.hit for o in outcomes) / len(outcomes),
+        hit_rate=sum(o.hit for o in outcomes) / max(len(outcomes), 1),
         ttft_p50_ms=percentile(ttft, 50) or 0.0,
         ttft_p95_ms=percentile(ttft, 95) or 0.0,
-        busiest_share=max(per_replica) / len(outcomes),
+        busiest_share=max(per_replica) / max(len(outcomes), 1),
+        latency_p50_ms=percentile(latency, 50) or 0.0,
+        latency_p95_ms=percentile(latency, 95) or 0.0,
+        disk_reads=sum(r.disk_reads for r in fleet.replicas),
+        loads_per_replica=tuple(r.loads for r in fleet.replicas),
     )
+
+
+def sim_requests(
+    trace: Sequence[TraceRequest], prompt_tokens: Callable[[str], int] | None = None
+) -> list[SimRequest]:
+    """The bench's trace (``bench/workload``) as the simulator's requests. ``prompt_tokens``
+    counts a prompt's tokens (a tokenizer's); by default its words, about one token each."""
+    count = prompt_tokens or (lambda text: len(text.split()))
+    return [SimRequest(n, r.time, r.adapter_id, max(count(r.prompt), 1), r.max_new_tokens)
+            for n, r in enumerate(trace)]  # fmt: skip
 
 
 def make_sim_trace(
     adapters: int, requests: int, rate: float, seed: int = 0, zipf: float = 1.0,
-    prompt_mean: float = 100.0, output_mean: float = 180.0,
+    output_mean: float = 180.0,
 ) -> list[SimRequest]:  # fmt: skip
-    """Poisson arrivals at ``rate`` a second, adapter ``i`` with weight ``1/(i+1)**zipf``,
-    lognormal output lengths with mean ``output_mean`` (16 to 400)."""
-    rng = random.Random(seed)
-    ids = [f"a{i:04d}" for i in range(adapters)]
-    weights = [1 / (i + 1) ** zipf for i in range(adapters)]
-    sigma = 0.6
-    mu = math.log(output_mean) - sigma**2 / 2
-    now, trace = 0.0, []
-    for n in range(requests):
-        now += rng.expovariate(rate)
-        adapter = rng.choices(ids, weights=weights)[0]
-        prompt = max(1, round(rng.expovariate(1 / prompt_mean)))
-        new = min(400, max(16, round(rng.lognormvariate(mu, sigma))))
-        trace.append(SimRequest(n, now, adapter, prompt, new))
-    return trace
+    """The bench's Zipf workload (``bench/workload.make_trace``, bursts included) over adapters
+    ``a0000 ...``, at a mean of ``rate`` arrivals a second."""
+    spec = WorkloadSpec(adapters=adapters, requests=requests, zipf=zipf, output_mean=output_mean,
+                        seed=seed)  # fmt: skip
+    spec = replace(spec, rate=rate * spec.rate / mean_rate(spec))
+    return sim_requests(make_trace(spec, [f"a{i:04d}" for i in range(adapters)]))
 
 
 def replica_capacity(
@@ -342,18 +446,38 @@ def replica_capacity(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lora-guard simulate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="lora-guard simulate",
+        description=(__doc__ or "").split("\n")[0].split(": ", 1)[-1],
+        epilog="--calibrate measures the engine's costs on this machine instead of simulating.",
+    )
     parser.add_argument("--adapters", type=int, default=1000)
     parser.add_argument("--replicas", default="8,16,64", help="comma-separated replica counts")
     parser.add_argument("--slots", type=int, default=8, help="adapter seats per replica")
+    parser.add_argument("--host-slots", type=int, default=32, help="adapters in host memory")
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--load", type=float, default=0.7, help="share of the fleet's capacity")
     parser.add_argument("--zipf", type=float, default=1.0)
     parser.add_argument("--routers", default=",".join(ROUTERS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--costs", type=Path, help="costs JSON written by --calibrate "
+                        "(default: the demo model's, docs/simulate.md)")  # fmt: skip
+    parser.add_argument("--calibrate", type=Path, metavar="OUT.json",
+                        help="measure the engine's costs and write them here")  # fmt: skip
+    parser.add_argument("--model", type=Path, help="--calibrate: checkpoint (default: the demo)")
+    parser.add_argument("--adapter-dir", type=Path,
+                        help="--calibrate: adapters (default: 8 made for the run)")  # fmt: skip
+    parser.add_argument("--device", default="cpu", help="--calibrate: torch device")
+    parser.add_argument("--dtype", default="float32", help="--calibrate: weights' dtype")
     args = parser.parse_args(argv)
-    costs = Costs()
+    if args.calibrate is not None:
+        from lora_guard.simulate_costs import calibrate_command
+
+        return calibrate_command(args.calibrate, args.model, args.adapter_dir, args.device,
+                                 args.dtype)  # fmt: skip
+    costs = read_costs(args.costs) if args.costs else DEFAULT_COSTS
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    print(f"costs: {costs.source}")
     print("| replicas | router | loads per 1000 requests | hit rate | TTFT p50 ms | TTFT p95 ms "
           "| busiest replica's share |")  # fmt: skip
     print("|---:|---|---:|---:|---:|---:|---:|")
@@ -361,7 +485,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rate = args.load * replicas * replica_capacity(costs, 100.0, 180.0)
         trace = make_sim_trace(args.adapters, args.requests, rate, args.seed, args.zipf)
         for name in routers:
-            result = simulate(trace, name, replicas, args.slots, costs, seed=args.seed)
+            result = simulate(trace, name, replicas, args.slots, costs, seed=args.seed,
+                              host_slots=args.host_slots)  # fmt: skip
             print(f"| {replicas} | {name} | {1000 * result.loads / result.requests:.0f} | "
                   f"{result.hit_rate:.2f} | {result.ttft_p50_ms:.0f} | {result.ttft_p95_ms:.0f} "
                   f"| {result.busiest_share:.2f} |", flush=True)  # fmt: skip

@@ -107,7 +107,10 @@ def test_a_workload_shows_in_the_metrics(tiny_model: Path, adapters: dict[str, P
     assert pool["kv"] == 0 and pool["adapter"] > 0
     assert _value(s, "lora_guard_memory_watermark") == pool["adapter"] / sum(pool.values())
     info = _labelsets(s, "vllm:lora_requests_info")
-    assert len(info) == 1 and info[0]["max_lora"] == "2"
+    # Idle: both seats hold an adapter; the one not pinned may leave for free, a third seat.
+    assert len(info) == 1 and info[0]["max_lora"] == "3"
+    assert info[0]["running_lora_adapters"] == ",".join(sorted(in_slots))
+    assert info[0]["waiting_lora_adapters"] == ""
     assert set(info[0]) == {"running_lora_adapters", "waiting_lora_adapters", "max_lora"}
     llm.engine.check_no_leaks()
 

@@ -61,6 +61,13 @@ class WorkloadSpec:
     scenario: str = "zipf"
 
 
+def mean_rate(spec: WorkloadSpec) -> float:
+    """Mean arrivals per second of ``spec``'s trace, its bursts counted (about: a burst's
+    start is checked at each arrival)."""
+    share = spec.burst_len_s / spec.burst_every_s
+    return spec.rate * (1 + (spec.burst_factor - 1) * share)
+
+
 @dataclass(frozen=True)
 class TraceRequest:
     id: str

@@ -92,12 +92,18 @@ def sse(run: Run, events: AsyncIterator[dict[str, Any]], *, openai: bool) -> Str
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
+# The header a gateway's endpoint picker (Gateway API Inference Extension) fairness is keyed by.
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+
+
 def _tenant(request: Request) -> str:
-    """The caller's tenant: from its API key when keys are configured, else X-Tenant-Id."""
+    """The caller's tenant: its API key's when keys are configured (no header overrides a key),
+    else X-Tenant-Id, else the gateway's fairness id, else ``default``."""
     key = getattr(request.state, "api_key", None)
     if key is not None:
         return str(key.tenant)
-    return request.headers.get("x-tenant-id") or "default"
+    headers = request.headers
+    return headers.get("x-tenant-id") or headers.get(FAIRNESS_HEADER) or "default"
 
 
 def _adapter(state: ServerState, name: str | None) -> str | None:

@@ -1,0 +1,332 @@
+"""The simulator's costs, measured on the engine (``lora-guard simulate --calibrate OUT.json``).
+
+Steps: batches of 1 to 32 sequences over 0 to 8 resident adapters, prompts of two lengths, the
+requests of a batch arriving one a step as in serving (each prefill joins the decodes), each
+step of ``LLMEngine.step`` timed with what it computed (sequences, the bytes of the distinct
+adapters it read, the prompt tokens it prefilled). The step cost is fitted as a line,
+``fixed + per sequence + per MiB of adapter bytes + per prefill token``, by least squares; the
+fit's error is printed and written beside the costs. Loads: for each adapter, the read of its
+folder into host memory (what the loader thread does) and its write into the cache pool over an
+evicted one (what a step does), each fitted as ``fixed + per MiB``.
+
+This module imports no torch until it measures: the simulator reads the costs without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lora_guard.engine import LLM
+
+MIB = 2**20
+BATCHES = (1, 4, 16, 32)
+ADAPTERS_PER_BATCH = (0, 1, 4, 8)
+PROMPT_TOKENS = (16, 96)
+DEFAULT_SOURCE = "the demo model on a busy 2-core CPU, float32 (docs/simulate-costs.json)"
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Engine costs in milliseconds. The defaults are the demo model's (SmolLM2-135M, float32,
+    8 adapters of ranks 8 to 32 on every projection) on a 2-core CPU that other work shared (load
+    average 2.7 to 4.5), rounded from the run of ``lora-guard simulate --calibrate
+    docs/simulate-costs.json`` (docs/simulate.md)."""
+
+    step_ms: float = 78.4
+    step_per_seq_ms: float = 5.95
+    step_per_adapter_mib_ms: float = 0.99
+    prefill_per_token_ms: float = 2.81
+    read_ms: float = -8.6  # an adapter's folder into host memory, on the loader thread
+    read_per_mib_ms: float = 3.15
+    write_ms: float = 18.2  # host memory into the cache pool, in the step
+    write_per_mib_ms: float = 0.33
+    adapter_mib: float = 19.8  # one adapter's weights
+    source: str = DEFAULT_SOURCE
+
+    def step(self, num_seqs: int, num_adapters: int, prefill_tokens: int) -> float:
+        return (self.step_ms + self.step_per_seq_ms * num_seqs
+                + self.step_per_adapter_mib_ms * self.adapter_mib * num_adapters
+                + self.prefill_per_token_ms * prefill_tokens)  # fmt: skip
+
+    def read(self) -> float:
+        return self.read_ms + self.read_per_mib_ms * self.adapter_mib
+
+    def write(self) -> float:
+        return self.write_ms + self.write_per_mib_ms * self.adapter_mib
+
+    def load(self) -> float:
+        """A cold load: read from disk, then written into the pool."""
+        return self.read() + self.write()
+
+
+@dataclass(frozen=True)
+class StepSample:
+    ms: float
+    seqs: int
+    adapter_mib: float  # the distinct adapters the step read
+    prefill_tokens: int
+
+
+@dataclass(frozen=True)
+class LoadSample:
+    adapter_mib: float
+    read_ms: float
+    write_ms: float
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A least-squares line and how far the samples are from it."""
+
+    coefficients: tuple[float, ...]
+    rms_ms: float
+    rms_relative: float  # RMS of (fitted - measured) / measured
+    worst_relative: float
+    samples: int
+
+
+def fit_line(rows: Sequence[Sequence[float]], measured: Sequence[float]) -> Fit:
+    """Least squares of ``measured`` on ``rows`` (each row its features, a 1 first)."""
+    import numpy as np
+
+    x, y = np.asarray(rows, dtype=float), np.asarray(measured, dtype=float)
+    coefficients, *_ = np.linalg.lstsq(x, y, rcond=None)
+    error = x @ coefficients - y
+    relative = error / y
+    return Fit(
+        tuple(float(c) for c in coefficients),
+        float(np.sqrt(np.mean(error**2))),
+        float(np.sqrt(np.mean(relative**2))),
+        float(np.max(np.abs(relative))),
+        len(y),
+    )
+
+
+@dataclass(frozen=True)
+class Calibration:
+    costs: Costs
+    step_fit: Fit
+    read_fit: Fit
+    write_fit: Fit
+
+    def summary(self) -> str:
+        c, s = self.costs, self.step_fit
+        return "\n".join([
+            f"step ms = {c.step_ms:.3f} + {c.step_per_seq_ms:.4f} x sequences "
+            f"+ {c.step_per_adapter_mib_ms:.4f} x adapter MiB + {c.prefill_per_token_ms:.4f} x "
+            f"prefill tokens",
+            f"  fit over {s.samples} steps: RMS error {s.rms_ms:.2f} ms, "
+            f"{100 * s.rms_relative:.1f}% RMS relative, worst {100 * s.worst_relative:.0f}%",
+            f"read ms = {c.read_ms:.3f} + {c.read_per_mib_ms:.4f} x MiB "
+            f"(RMS {100 * self.read_fit.rms_relative:.0f}%); write ms = {c.write_ms:.3f} + "
+            f"{c.write_per_mib_ms:.4f} x MiB (RMS {100 * self.write_fit.rms_relative:.0f}%)",
+            f"adapter MiB (mean) = {c.adapter_mib:.3f}",
+        ])  # fmt: skip
+
+
+def measure_steps(
+    llm: LLM,
+    adapter_ids: Sequence[str],
+    batches: Sequence[int] = BATCHES,
+    adapters_per_batch: Sequence[int] = ADAPTERS_PER_BATCH,
+    prompt_tokens: Sequence[int] = PROMPT_TOKENS,
+    new_tokens: int = 16,
+    repeats: int = 2,
+    seed: int = 0,
+) -> list[StepSample]:
+    """Every step of batches of each size, over each number of adapters, with each prompt
+    length, all adapters resident: each batch run ``repeats`` times, each of its steps the
+    median of its runs (a step that another process slowed down does not skew the fit)."""
+    rng = random.Random(seed)
+    _make_resident(llm, adapter_ids)
+    mib = {a: _resident_mib(llm, a) for a in adapter_ids}
+    samples = []
+    for batch in batches:
+        for count in (k for k in adapters_per_batch if k <= min(batch, len(adapter_ids))):
+            for length in prompt_tokens:
+                adapters = [adapter_ids[i % count] if count else None for i in range(batch)]
+                runs = [_run_batch(llm, rng, adapters, length, new_tokens, mib)
+                        for _ in range(repeats)]  # fmt: skip
+                for steps in zip(*runs, strict=False):
+                    if len({(s.seqs, s.adapter_mib, s.prefill_tokens) for s in steps}) == 1:
+                        ms = statistics.median(s.ms for s in steps)
+                        samples.append(StepSample(ms, steps[0].seqs, steps[0].adapter_mib,
+                                                  steps[0].prefill_tokens))  # fmt: skip
+    return samples
+
+
+def _run_batch(
+    llm: LLM,
+    rng: random.Random,
+    adapters: Sequence[str | None],
+    length: int,
+    new_tokens: int,
+    mib: dict[str, float],
+) -> list[StepSample]:
+    """Prompts of ``length`` random tokens, one per adapter of ``adapters``, arriving one a step
+    as in serving (each prefill joins the decodes of those before it), run to the end; each step
+    timed (a step that loaded an adapter is left out)."""
+    from lora_guard.engine import SamplingParams
+
+    engine, vocab = llm.engine, len(llm.tokenizer)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    tag = f"calibrate-{rng.getrandbits(48):x}"
+    seqs: list[Any] = []
+    samples = []
+    while len(seqs) < len(adapters) or engine.has_unfinished_requests():
+        if len(seqs) < len(adapters):
+            prompt = [rng.randrange(3, vocab) for _ in range(length)]
+            seqs.append(engine.add_request(f"{tag}-{len(seqs)}", prompt, params,
+                                           adapters[len(seqs)]))  # fmt: skip
+        before = [s.num_computed_tokens for s in seqs]
+        loads = engine.adapters.stats.loads
+        started = time.perf_counter()
+        engine.step()
+        ms = (time.perf_counter() - started) * 1000
+        ran = [(s, s.num_computed_tokens - b) for s, b in zip(seqs, before, strict=True)
+               if s.num_computed_tokens > b]  # fmt: skip
+        if not ran or engine.adapters.stats.loads != loads:
+            continue
+        used = {s.adapter_id for s, _ in ran if s.adapter_id is not None}
+        prefill = sum(n for s, n in ran if s.num_computed_tokens - n < length)
+        samples.append(StepSample(ms, len(ran), sum(mib[a] for a in used), prefill))
+    return samples
+
+
+def measure_loads(llm: LLM, adapter_ids: Sequence[str], repeats: int = 3) -> list[LoadSample]:
+    """Each adapter read from its folder, and written into the pool over itself evicted (the
+    median of ``repeats``)."""
+    from lora_guard.engine.lora import read_adapter
+    from lora_guard.engine.lora.residency import Lookup, Need
+
+    engine = llm.engine
+    residency, spec, max_rank = engine.adapters, engine.model.spec, engine.config.max_lora_rank
+    samples = []
+    for adapter_id in adapter_ids:
+        _make_resident(llm, [adapter_id])
+        entry = residency.registry.get(adapter_id)
+        assert entry is not None
+        reads, writes = [], []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            adapter = read_adapter(adapter_id, entry.path, spec, max_rank, entry.root)
+            reads.append((time.perf_counter() - started) * 1000)
+            resident = residency.current(adapter_id)
+            assert resident is not None and resident.content_hash == adapter.content_hash
+            started = time.perf_counter()
+            residency.evict(resident)
+            need = Need(adapter_id, None, Lookup.WARM, evicts=False, version_gone=False)
+            placed = residency.acquire(need, None, engine.scheduler.running)
+            writes.append((time.perf_counter() - started) * 1000)
+            assert placed is not None
+        samples.append(LoadSample(_resident_mib(llm, adapter_id), statistics.median(reads),
+                                  statistics.median(writes)))  # fmt: skip
+    return samples
+
+
+def calibrate(llm: LLM, adapter_ids: Sequence[str], **steps: Any) -> Calibration:
+    """Measure ``llm``'s loads of each of ``adapter_ids`` and its steps over the first of them
+    (as many as the most adapters a batch mixes: the engine needs that many seats), and fit the
+    simulator's costs to them. ``steps`` go to :func:`measure_steps`."""
+    mixed = max(steps.get("adapters_per_batch", ADAPTERS_PER_BATCH))
+    step_samples = measure_steps(llm, adapter_ids[:mixed], **steps)
+    load_samples = measure_loads(llm, adapter_ids)
+    step_fit = fit_line([(1, s.seqs, s.adapter_mib, s.prefill_tokens) for s in step_samples],
+                        [s.ms for s in step_samples])  # fmt: skip
+    read_fit = fit_line([(1, s.adapter_mib) for s in load_samples],
+                        [s.read_ms for s in load_samples])  # fmt: skip
+    write_fit = fit_line([(1, s.adapter_mib) for s in load_samples],
+                         [s.write_ms for s in load_samples])  # fmt: skip
+    fixed, per_seq, per_mib, per_token = step_fit.coefficients
+    costs = Costs(
+        step_ms=fixed, step_per_seq_ms=per_seq, step_per_adapter_mib_ms=per_mib,
+        prefill_per_token_ms=per_token,
+        read_ms=read_fit.coefficients[0], read_per_mib_ms=read_fit.coefficients[1],
+        write_ms=write_fit.coefficients[0], write_per_mib_ms=write_fit.coefficients[1],
+        adapter_mib=statistics.mean(s.adapter_mib for s in load_samples),
+        source="calibrated in this process",
+    )  # fmt: skip
+    return Calibration(costs, step_fit, read_fit, write_fit)
+
+
+def write_costs(calibration: Calibration, path: Path, about: dict[str, Any]) -> None:
+    costs = {f.name: getattr(calibration.costs, f.name) for f in fields(Costs)
+             if f.name != "source"}  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        **about, "costs_ms": costs, "step_fit": asdict(calibration.step_fit),
+        "read_fit": asdict(calibration.read_fit), "write_fit": asdict(calibration.write_fit),
+    }, indent=2) + "\n")  # fmt: skip
+
+
+def read_costs(path: Path) -> Costs:
+    """The costs of a file ``write_costs`` wrote."""
+    data = json.loads(path.read_text())
+    return Costs(**data["costs_ms"], source=f"{path.name} ({data.get('model', 'a model')}, "
+                 f"{data.get('device', '?')}, {data.get('dtype', '?')})")  # fmt: skip
+
+
+def calibrate_command(
+    out: Path, model: Path | None, adapter_dir: Path | None, device: str, dtype: str
+) -> int:
+    """``lora-guard simulate --calibrate OUT.json``: measure, print the fit, write the costs."""
+    import torch
+
+    from lora_guard.engine import LLM
+    from lora_guard.engine.lora.registry import scan_adapter_dir
+
+    if model is None:
+        from lora_guard.demo import prepare_demo
+
+        model = prepare_demo(log=lambda _msg: None).model_dir
+    with tempfile.TemporaryDirectory(prefix="lora-guard-calibrate-") as scratch:
+        if adapter_dir is None:
+            from lora_guard.adapter_maker import make_adapters
+
+            adapter_dir = Path(scratch)
+            make_adapters(model, adapter_dir, n=max(ADAPTERS_PER_BATCH), ranks=(8, 16, 32),
+                          prefix="calibrate", all_projections=True)  # fmt: skip
+        ids = [a for a, _ in scan_adapter_dir(adapter_dir)][: max(ADAPTERS_PER_BATCH)]
+        llm = LLM(model, adapters={a: adapter_dir / a for a in ids}, max_loras=len(ids),
+                  cache_memory="1GiB", dtype=dtype, device=device, max_num_seqs=max(BATCHES),
+                  policies="lru")  # fmt: skip
+        started, load_before = time.perf_counter(), os.getloadavg()[0]
+        calibration = calibrate(llm, ids)
+        model_id = llm.engine.model_id
+        llm.engine.shutdown()
+    about = {
+        "command": f"lora-guard simulate --calibrate {out.name if out.is_absolute() else out}",
+        "model": model_id, "device": device, "dtype": dtype,
+        "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(), "adapters": len(ids),
+        "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # before, after
+    }  # fmt: skip
+    write_costs(calibration, out, about)
+    print(calibration.summary())
+    print(f"wrote {out} in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def _make_resident(llm: LLM, adapter_ids: Sequence[str]) -> None:
+    from lora_guard.engine import SamplingParams
+
+    llm.generate(["Warm-up."] * len(adapter_ids), SamplingParams(max_new_tokens=1, ignore_eos=True),
+                 list(adapter_ids))  # fmt: skip
+    missing = [a for a in adapter_ids if llm.engine.adapters.current(a) is None]
+    if missing:
+        raise ValueError(f"calibration needs every adapter resident at once; not: {missing}")
+
+
+def _resident_mib(llm: LLM, adapter_id: str) -> float:
+    entry = llm.engine.adapters.current(adapter_id)
+    assert entry is not None
+    return entry.layout.nbytes / MIB

@@ -1,0 +1,126 @@
+"""The simulator, calibrated on the real engine, against a real replay of the same trace."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+
+from lora_guard.bench.replay import EngineOptions, replay_scheme, scheme_llm
+from lora_guard.bench.stats import percentile
+from lora_guard.bench.workload import TraceRequest, WorkloadSpec, make_trace
+from lora_guard.simulate import SimRequest, sim_requests, simulate
+from lora_guard.simulate_costs import Costs, calibrate, fit_line, read_costs, write_costs
+from lora_guard.testing import AdapterFactory
+
+SEATS = 4
+TOLERANCE = 0.15
+ATTEMPTS = 3  # a real-time replay on a shared CPU: another process may slow one run down
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One torch thread: on a busy 2-core machine two threads slow down far more unevenly."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_calibrated_simulator_agrees_with_a_real_replay(
+    tiny_model: Path, tiny_adapters: AdapterFactory, one_thread: None
+) -> None:
+    adapters = tiny_adapters(n=12, prefix="sim", ranks=(4, 8, 16))
+    ids = sorted(adapters)
+    spec = WorkloadSpec(adapters=12, tenants=3, requests=80, rate=4.0, system_prompt_words=8,
+                        user_words_mean=8, output_mean=48, output_min=8, output_max=128,
+                        seed=3)  # fmt: skip
+    trace = make_trace(spec, ids)
+    options = EngineOptions(str(tiny_model), str(next(iter(adapters.values())).parent),
+                            max_loras=SEATS, kv_cache_memory="64MiB")  # fmt: skip
+    misses = []
+    for _ in range(ATTEMPTS):
+        # The costs of the engine the replay runs (the same scheme and options), measured just
+        # before and just after it, averaged: the machine's speed may drift while it runs.
+        before, requests = _calibrated(options, ids, trace)
+        run = replay_scheme("lru", trace, options)
+        after, _ = _calibrated(options, ids, trace)
+        assert all(r.error is None for r in run.records)
+        real_loads = len(run.swap_ms)
+        latency = [(r.finish - r.arrival) * 1000 for r in run.records if r.finish is not None]
+        real_p95 = percentile(latency, 95)
+        assert real_p95 is not None and real_loads > 0
+        sim = simulate(requests, "lora-guard", 1, SEATS, _mean(before, after),
+                       start_resident=run.start_resident, start_host=ids)  # fmt: skip
+        figures = (f"loads: simulated {sim.loads}, real {real_loads}; latency p95: simulated "
+                   f"{sim.latency_p95_ms:.0f} ms, real {real_p95:.0f} ms")  # fmt: skip
+        print(figures)
+        if (abs(sim.loads - real_loads) <= TOLERANCE * real_loads
+                and abs(sim.latency_p95_ms - real_p95) <= TOLERANCE * real_p95):  # fmt: skip
+            return
+        misses.append(figures)
+    pytest.fail(f"not within {TOLERANCE:.0%} in {ATTEMPTS} runs: " + "; ".join(misses))
+
+
+def _calibrated(
+    options: EngineOptions, ids: list[str], trace: list[TraceRequest]
+) -> tuple[Costs, list[SimRequest]]:
+    """The engine's costs, and the trace as the simulator's requests (its tokenizer's counts)."""
+    llm = scheme_llm("lru", options, None)
+    calibration = calibrate(llm, ids, adapters_per_batch=(0, 1, 2, SEATS),
+                            batches=(1, 2, 4, 8), repeats=2)  # fmt: skip
+    requests = sim_requests(trace, lambda prompt: len(llm.engine.encode(prompt)))
+    llm.engine.shutdown()
+    return calibration.costs, requests
+
+
+def _mean(a: Costs, b: Costs) -> Costs:
+    return Costs(**{f.name: (getattr(a, f.name) + getattr(b, f.name)) / 2 for f in fields(Costs)
+                    if f.name != "source"})  # fmt: skip
+
+
+def test_a_fitted_line_recovers_its_coefficients_and_reports_its_error() -> None:
+    rows = [(1, n, mib, tokens) for n in (1, 4, 16) for mib in (0, 2) for tokens in (0, 64)]
+    exact = [2 + 0.5 * n + 0.25 * mib + 0.01 * tokens for _, n, mib, tokens in rows]
+    fit = fit_line(rows, exact)
+    assert fit.coefficients == pytest.approx((2, 0.5, 0.25, 0.01))
+    assert fit.rms_ms == pytest.approx(0, abs=1e-9) and fit.samples == len(rows)
+    off = fit_line(rows, [y * (1.1 if i == 0 else 1.0) for i, y in enumerate(exact)])
+    assert off.worst_relative > 0.01
+
+
+def test_costs_written_by_calibration_are_read_back(tmp_path: Path) -> None:
+    from lora_guard.simulate_costs import Calibration, Fit
+
+    costs = Costs(step_ms=10.0, step_per_seq_ms=1.0, adapter_mib=3.0)
+    fit = Fit((1.0,), 0.1, 0.01, 0.02, 5)
+    path = tmp_path / "costs.json"
+    write_costs(Calibration(costs, fit, fit, fit), path, {"model": "tiny"})
+    read = read_costs(path)
+    assert (read.step_ms, read.step_per_seq_ms, read.adapter_mib) == (10.0, 1.0, 3.0)
+    assert "tiny" in read.source
+    trace = [SimRequest(0, 0.0, "a", 10, 20)]
+    assert simulate(trace, "lora-guard", 1, 1, read).latency_p95_ms == pytest.approx(
+        read.load() + read.step(1, 1, 10) + 19 * read.step(1, 1, 0)  # read, write, 20 steps
+    )
+
+
+def test_lora_guard_simulate_prints_one_row_per_router_with_the_costs_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lora_guard.cli import main
+    from lora_guard.simulate_costs import Calibration, Fit
+
+    fit = Fit((1.0,), 0.1, 0.01, 0.02, 5)
+    path = tmp_path / "costs.json"
+    write_costs(Calibration(Costs(step_ms=20.0), fit, fit, fit), path, {"model": "tiny"})
+    argv = ["simulate", "--adapters", "30", "--replicas", "2", "--requests", "200",
+            "--routers", "lora-guard,power-of-two", "--costs", str(path)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "costs.json (tiny" in out
+    rows = [line for line in out.splitlines() if line.startswith("| 2 |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["lora-guard", "power-of-two"]
