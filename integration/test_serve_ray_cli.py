@@ -3,18 +3,14 @@ port, answers every adapter with the engine's tokens, and stops on SIGTERM with 
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import pytest
 
-from lora_guard.testing import free_port
+from lora_guard.testing import start_server
 
 pytest.importorskip("ray", reason="needs lora-guard[ray]")
 
@@ -27,31 +23,15 @@ def test_the_command_serves_every_adapter_correctly_and_stops_on_sigterm(
     tiny: tuple[Path, Path], serves_correctly: Callable[..., None], tmp_path: Path
 ) -> None:
     model, adapters = tiny
-    port = free_port()
     log = tmp_path / "serve-ray.log"
-    environment = {**os.environ, "LORA_GUARD_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    args = command(
-        "--replicas", "2", "--replica-cpus", "0.5", "--ray-cpus", "2", "--model", str(model),
-        "--adapter-dir", str(adapters), "--host", "127.0.0.1", "--port", str(port),
-        "--kv-cache-memory", "16MiB", "--block-size", "4",
+    server = start_server(
+        model, adapters, "--replicas", "2", "--replica-cpus", "0.5", "--ray-cpus", "2",
+        log=log, command_name="serve-ray", ready_s=240,
     )  # fmt: skip
-    with log.open("w") as out:
-        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=environment)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        assert process.poll() is None, log.read_text()[-3000:]
-        serves_correctly(url)
+        serves_correctly(server.url)
     finally:
-        process.send_signal(signal.SIGTERM)
-        status = process.wait(120)
+        status = server.stop(timeout=120)
     assert status == 0, log.read_text()[-3000:]
 
 

@@ -207,7 +207,7 @@ def measure_loads(llm: LLM, adapter_ids: Sequence[str], repeats: int = 3) -> lis
     """Each adapter read from its folder, and written into the pool over itself evicted (the
     median of ``repeats``)."""
     from lora_guard.engine.lora import read_adapter
-    from lora_guard.engine.lora.residency import Lookup, Need
+    from lora_guard.engine.lora.residency import Need
 
     engine = llm.engine
     residency, spec, max_rank = engine.adapters, engine.model.spec, engine.config.max_lora_rank
@@ -225,7 +225,7 @@ def measure_loads(llm: LLM, adapter_ids: Sequence[str], repeats: int = 3) -> lis
             assert resident is not None and resident.content_hash == adapter.content_hash
             started = time.perf_counter()
             residency.evict(resident)
-            need = Need(adapter_id, None, Lookup.WARM, evicts=False, version_gone=False)
+            need = Need(adapter_id, None, None, residency)
             placed = residency.acquire(need, None, engine.scheduler.running)
             writes.append((time.perf_counter() - started) * 1000)
             assert placed is not None

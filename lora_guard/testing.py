@@ -170,8 +170,11 @@ def start_server(
     *args: str,
     log: Path,
     env: dict[str, str] | None = None,
+    command_name: str = "serve",
+    ready_s: float = 120,
 ) -> ServerProcess:
-    """Start ``lora-guard serve`` on a free loopback port and wait until ``/health`` is 200.
+    """Start ``lora-guard serve`` (or ``command_name``, such as ``serve-ray``, which takes the
+    same settings) on a free loopback port and wait until ``/health`` is 200.
 
     ``env`` adds to the environment of the server (``PYTHONPATH`` for a test plugin, say).
     """
@@ -179,7 +182,7 @@ def start_server(
 
     port = free_port()
     command = [
-        sys.executable, "-m", "lora_guard.cli", "serve", "--model", str(model),
+        sys.executable, "-m", "lora_guard.cli", command_name, "--model", str(model),
         "--adapter-dir", str(adapter_dir), "--host", "127.0.0.1", "--port", str(port),
         "--kv-cache-memory", "16MiB", "--block-size", "4", *args,
     ]  # fmt: skip
@@ -189,7 +192,7 @@ def start_server(
             command, stdout=handle, stderr=subprocess.STDOUT, text=True, env=environment
         )
     server = ServerProcess(f"http://127.0.0.1:{port}", process, log)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + ready_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}:\n{log.read_text()}")

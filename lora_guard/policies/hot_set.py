@@ -116,7 +116,7 @@ class HotSetPolicy:
         rest = [r for r in waiting if r not in aged and r not in ready]
         hot = self.hot_set(state)
         rest.sort(key=lambda r: (r.adapter_id not in hot, -state.heat.get(r.adapter_id or "", 0)))
-        cap = self.max_loras_per_batch or self.seats or len(waiting) + len(running)
+        cap = self.max_loras_per_batch or self.seats or math.inf  # 0: no cap
         adapters = {r.adapter_id for r in running if r.adapter_id is not None}
         chosen = []
         for r in [*aged, *ready, *rest]:

@@ -79,20 +79,36 @@ class AdapterStats:
 @dataclass(frozen=True, slots=True)
 class Need:
     """Where a request's adapter stands, seen from that request: the one question the scheduler
-    asks about a request (:meth:`ResidencyManager.need`), answered from one look at the pool."""
+    asks about a request (:meth:`ResidencyManager.need`). ``resident`` is answered at once (every
+    step asks it of every request); the rest only when asked, from the pool as it is then."""
 
     adapter_id: str
+    started_under: str | None  # the version a running request computes with
     resident: Resident | None  # the weights it computes with, when they are in the pool
-    where: Lookup | None  # where its current weights are; None: no longer registered
-    evicts: bool  # bringing them in now evicts an adapter that requests still need (thrash)
-    version_gone: bool  # it started under weights that are neither resident nor current
+    residency: ResidencyManager = field(repr=False)
 
     @property
     def tier(self) -> Lookup:
-        """Raises :class:`AdapterError` for an adapter no longer registered."""
-        if self.where is None:
-            raise AdapterError(f"adapter {self.adapter_id!r} is not known")
-        return self.where
+        """Where its current weights are. Raises :class:`AdapterError` for an adapter no longer
+        registered."""
+        return self.residency.tier(self.adapter_id)
+
+    @property
+    def evicts(self) -> bool:
+        """Whether bringing its current weights in now evicts an adapter that requests still
+        need (thrash)."""
+        return self.residency.load_evicts(self.adapter_id)
+
+    @property
+    def version_gone(self) -> bool:
+        """Whether it started under weights that are neither resident nor current."""
+        host = self.residency.host.entries.get(self.adapter_id)
+        return (
+            self.started_under is not None
+            and self.resident is None
+            and host is not None
+            and host.content_hash != self.started_under
+        )
 
 
 @dataclass(slots=True)
@@ -225,21 +241,16 @@ class ResidencyManager:
             resident = self.current(adapter_id)
         else:
             resident = self._version(adapter_id, started_under)
-        where = self._where(adapter_id)
-        if where is not Lookup.WARM:
-            evicts = False
-        elif self.merge is not None:
-            evicts = self.merged is not None
-        else:
-            evicts = self._needs_eviction(adapter_id)
-        host = self.host.entries.get(adapter_id)
-        gone = (
-            started_under is not None
-            and resident is None
-            and host is not None
-            and host.content_hash != started_under
-        )
-        return Need(adapter_id, resident, where, evicts, gone)
+        return Need(adapter_id, started_under, resident, self)
+
+    def load_evicts(self, adapter_id: str) -> bool:
+        """Whether bringing ``adapter_id``'s current weights in now evicts an adapter (or, in
+        merged mode, merged weights) that requests still need."""
+        if self._where(adapter_id) is not Lookup.WARM:
+            return False
+        if self.merge is not None:
+            return self.merged is not None
+        return self._needs_eviction(adapter_id)
 
     def _where(self, adapter_id: str) -> Lookup | None:
         if self.current(adapter_id) is not None or (
@@ -366,6 +377,7 @@ class ResidencyManager:
             if freed < layout.num_pages:
                 self.short_of_pages = True
                 return None  # the pool is full of KV in use: wait for requests to finish
+        thrash = not parked and self.load_evicts(adapter_id)  # before the pool changes
         started = time.perf_counter()
         for victim in victims:
             self.evict(victim)
@@ -383,7 +395,7 @@ class ResidencyManager:
             self.seats.append(None)  # no cap: a free seat is always there
         self.stats.peak_resident = max(self.stats.peak_resident, len(self.residents()))
         self._loaded(adapter_id, seat, started)
-        if need.evicts and not parked:
+        if thrash:
             self.usage.evicting_loads.add(adapter_id)
         return entry
 
