@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from lora_guard.engine.lora.pool import LayerWeights
 
@@ -41,20 +40,33 @@ class LoraBatch:
         if mode not in MODES:
             raise ValueError(f"lora compute mode must be one of {', '.join(MODES)}")
         self.segments, self.mode = segments, mode
+        # The flat batch cut once per projection into runs (one ``split``, not a slice per
+        # segment): the segments' runs, and the tokens of no adapter between them.
+        self._runs: list[int] = []
+        self._run_of: list[int] = []
+        self._end = 0
+        for seg in segments:
+            if seg.start > self._end:
+                self._runs.append(seg.start - self._end)
+            self._run_of.append(len(self._runs))
+            self._runs.append(seg.end - seg.start)
+            self._end = seg.end
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, layer: int, projection: str) -> None:
         """Add the LoRA update of ``projection`` in ``layer`` to ``y`` in place."""
-        work = [(s, w) for s in self.segments if (w := s.layers[layer].get(projection)) is not None]
-        if not work:
-            return
-        if self.mode == "batched" and len(work) > 1:
-            _batched(x, y, work)
-            return
-        for seg, weights in work:
-            xs, ys = x[seg.start : seg.end], y[seg.start : seg.end]
-            shrunk = F.linear(xs, weights.a)
+        if self.mode == "batched":
+            work = [(s, w) for s in self.segments if (w := s.layers[layer].get(projection))]
+            if len(work) > 1:
+                _batched(x, y, work)
+                return
+        xs, ys = torch.split(x[: self._end], self._runs), torch.split(y[: self._end], self._runs)
+        for run, seg in zip(self._run_of, self.segments, strict=True):
+            weights = seg.layers[layer].get(projection)
+            if weights is None:
+                continue
+            shrunk, out = torch.mm(xs[run], weights.at), ys[run]
             for part in weights.parts:
-                ys[:, part.out0 : part.out1].addmm_(shrunk[:, part.row0 : part.row1], part.bt)
+                out[:, part.out0 : part.out1].addmm_(shrunk[:, part.row0 : part.row1], part.bt)
 
 
 def _batched(x: torch.Tensor, y: torch.Tensor, work: list) -> None:  # type: ignore[type-arg]

@@ -16,7 +16,7 @@ above them. Memory never exceeds the pool: a load that does not fit waits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,10 @@ class ProjectionWeights:
 
     a: torch.Tensor  # [sum of the sub-modules' ranks, in]
     parts: tuple[ModulePart, ...]
+    at: torch.Tensor = field(init=False)  # ``a.t()``, made once: the shrink is ``x @ at``
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "at", self.a.t())
 
 
 LayerWeights = dict[str, ProjectionWeights]  # fused projection -> weights
