@@ -72,14 +72,15 @@ class ColdLoadBudget:
     def retry_after(self, loads: Sequence[float], now: float, place: int = 0) -> float:
         """Seconds until the window of ``loads`` (their times, oldest first) has room for the
         load at ``place`` in the queue (0: next)."""
-        if len(loads) + place < self.per_minute:
+        # Load k of the sequence (the window's, then the queue's) goes a window after load
+        # k - per_minute; a queued load with fewer than per_minute before it goes now.
+        k, windows = len(loads) + place, 0
+        if k < self.per_minute:
             return 0.0
-        # The load ``place`` after the next one can go once that many more loads have left.
-        index = len(loads) + place - self.per_minute
-        if index < len(loads):
-            return max(loads[index] + WINDOW_S - now, MIN_RETRY_AFTER_S)
-        rounds, rest = divmod(index, self.per_minute)
-        return max(loads[rest] + WINDOW_S * (rounds + 1) - now, MIN_RETRY_AFTER_S)
+        while k >= self.per_minute and k >= len(loads):
+            k, windows = k - self.per_minute, windows + 1
+        start = loads[k] if k < len(loads) else now
+        return max(start + WINDOW_S * windows - now, MIN_RETRY_AFTER_S)
 
     @hookimpl(tryfirst=True)
     def lora_guard_adapter_load(

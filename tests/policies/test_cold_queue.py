@@ -46,3 +46,26 @@ def test_over_the_budget_requests_queue_in_order_then_get_a_true_retry_after(
     # The budget's one load is in its window until a minute after it: the retry-afters say so.
     assert max(out.retry_after or 0 for out, _ in rejected.values()) > 55
     engine.check_no_leaks()
+
+
+def test_retry_after_is_when_the_window_has_room_for_each_place_in_the_queue() -> None:
+    """Load k (the window's loads, then the queue's) goes a window after load k - per_minute;
+    checked against that rule computed forward, for windows fuller and emptier than the budget
+    and queues longer than several windows (an emptier window once raised IndexError)."""
+    import random
+
+    from lora_guard.policies.cold_budget import MIN_RETRY_AFTER_S, WINDOW_S, ColdLoadBudget
+
+    rng = random.Random(0)
+    policy = ColdLoadBudget()
+    now = 1000.0
+    for _ in range(300):
+        policy.per_minute = rng.randint(1, 8)
+        loads = sorted(now - rng.uniform(0, WINDOW_S) for _ in range(rng.randint(0, 10)))
+        times = list(loads)
+        for place in range(25):
+            k = len(times)
+            times.append(times[k - policy.per_minute] + WINDOW_S if k >= policy.per_minute
+                         else now)  # fmt: skip
+            expected = 0.0 if times[-1] <= now else max(times[-1] - now, MIN_RETRY_AFTER_S)
+            assert policy.retry_after(loads, now, place) == expected
