@@ -4,13 +4,18 @@ hit them.
 Heat is the number of requests per (tenant, adapter) over a sliding window. The hot set is the
 pinned adapters (``pin``) plus the ``hot_set_size`` hottest (default: all seats but one, which
 serves the cold tail; with no seat cap, every adapter with heat, and the pool's pages decide). A
-warm adapter takes a free seat in the pool, else the seat of the coldest adapter outside the hot set
-that the engine lets leave now (its residency quantum over, or no request needing it); a hot adapter
-is displaced only by another hot one, a pinned one never. A tenant already holding its fair share of
-the seats may evict only its own. A request that has waited ``max_wait_steps``, or a running one
-whose adapter left the pool (parked), may displace any adapter that is not pinned, so none waits for
-a seat forever. Batch form offers requests whose adapter is resident first, caps the distinct
-adapters per step (``max_loras_per_batch``), and puts aged requests ahead of all others.
+warm adapter takes a free seat in the pool, else the seat of the least recently used adapter
+outside the hot set that the engine lets leave now (its residency quantum over, or no request
+needing it); a hot adapter is displaced only by another hot one, a pinned one never. A tenant
+already holding its fair share of the seats may evict only its own. A request that has waited
+``max_wait_steps``, or a running one whose adapter left the pool (parked), may displace any
+adapter that is not pinned, so none waits for a seat forever.
+
+Batch form offers requests whose adapter is resident first, then the others hottest first, aged
+requests ahead of all. It admits a request whose adapter has no seat yet: the engine rotates
+seats at step boundaries, so the request waits for a residency quantum, not for another
+request's whole life. ``max_loras_per_batch`` caps the distinct adapters of the running requests
+when set.
 
 The engine keeps the heat and the pins (``EngineState.heat``, ``tenant_heat``, ``pinned``); this
 policy reads them and decides.
@@ -47,7 +52,7 @@ class HotSetPolicy:
             "max_loras_per_batch",
             int,
             0,
-            "most distinct adapters in one step (0: as many as slots)",
+            "most distinct adapters among running requests (0: no cap; the seats bound each step)",
         )
         options.add(
             "max_wait_steps", int, 16, "a request waiting this many steps goes ahead of all others"
@@ -97,8 +102,7 @@ class HotSetPolicy:
                 ]
         if not candidates:
             return Defer("no slot may be evicted for this adapter now")
-        heat = state.heat
-        victim = min(candidates, key=lambda v: (heat.get(v.adapter_id or "", 0), v.last_used))
+        victim = min(candidates, key=lambda v: v.last_used)
         return Load(victim.slot)
 
     # batch form
@@ -116,7 +120,7 @@ class HotSetPolicy:
         rest = [r for r in waiting if r not in aged and r not in ready]
         hot = self.hot_set(state)
         rest.sort(key=lambda r: (r.adapter_id not in hot, -state.heat.get(r.adapter_id or "", 0)))
-        cap = self.max_loras_per_batch or self.seats or math.inf  # 0: no cap
+        cap = self.max_loras_per_batch or math.inf  # 0: no cap
         adapters = {r.adapter_id for r in running if r.adapter_id is not None}
         chosen = []
         for r in [*aged, *ready, *rest]:
