@@ -95,7 +95,7 @@ def make_tiny_llama(
         num_hidden_layers=num_hidden_layers,
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
-        max_position_embeddings=512,
+        max_position_embeddings=config_overrides.pop("max_position_embeddings", 512),
         tie_word_embeddings=tie_word_embeddings,
         initializer_range=initializer_range,
         bos_token_id=tokenizer.bos_token_id,
