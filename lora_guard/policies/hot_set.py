@@ -7,7 +7,8 @@ serves the cold tail; with no seat cap, every adapter with heat, and the pool's 
 warm adapter takes a free seat in the pool, else the seat of the least recently used adapter
 outside the hot set that the engine lets leave now (its residency quantum over, or no request
 needing it); a hot adapter is displaced only by another hot one, a pinned one never. A tenant
-already holding its fair share of the seats may evict only its own. A request that has waited
+already holding its fair share of the seats may not evict another tenant's hot adapters (its own,
+and other tenants' cold ones, it may). A request that has waited
 ``max_wait_steps``, or a running one whose adapter left the pool (parked), may displace any
 adapter that is not pinned, so none waits for a seat forever.
 
@@ -98,7 +99,9 @@ class HotSetPolicy:
             owners = {v.slot: _owner(state, v.adapter_id) for v in state.slots if v.adapter_id}
             if sum(1 for o in owners.values() if o == request.tenant_id) >= fair_share:
                 candidates = [
-                    v for v in candidates if owners.get(v.slot) in (request.tenant_id, None)
+                    v
+                    for v in candidates
+                    if owners.get(v.slot) in (request.tenant_id, None) or v.adapter_id not in hot
                 ]
         if not candidates:
             return Defer("no slot may be evicted for this adapter now")
