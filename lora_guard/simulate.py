@@ -12,7 +12,10 @@ whose adapter is resident are admitted while ``max_num_seqs`` and the token budg
 A step costs a fixed part, a part per sequence, a part per MiB of adapter weights the batch
 reads and a part per prompt token it prefills, plus the pool writes of its loads (``Costs``,
 measured on the engine by ``lora-guard simulate --calibrate``). Routers see the replicas as a Ray
-router does: queue lengths at once, resident adapters as last pushed (every ``stats_period_s``).
+router does: queue lengths at once, resident adapters as last pushed (every ``stats_period_s``;
+with ``stats_tick_s``, as Ray Serve's controller polls each replica). Clients send each request
+at its time (open loop) or, with ``clients``, one after another (closed loop), each request
+spending ``overhead_ms`` outside the engine (HTTP, the router, the hops).
 
 Routers: ``lora-guard`` (``serve_ray.ranking``: affinity, room to load, spread, reserved loads),
 ``ray-multiplex`` (Ray Serve's multiplexed ranking: replicas that report the model, then those with
