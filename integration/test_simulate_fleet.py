@@ -1,14 +1,15 @@
 """The calibrated simulator against a real 2-replica Ray Serve fleet on one seeded trace.
 
-The fleet is ``lora-guard serve-ray``'s: two engine replicas of the tiny model (3 adapter seats,
-policy ``lru``, one torch thread each) behind the adapter-affinity router, reached over real
-HTTP through Ray Serve's proxy and the ingress. Four clients replay the trace in a closed loop:
-each sends the trace's next request on ``/generate`` once its last one is answered. A closed
-loop because the simulator replays it exactly (``simulate(clients=4)``: the same requests in the
-same order, each sent when a client is free) and because it keeps both replicas busy without
-letting queues grow, so that the latency is the engine's steps and loads rather than how long a
-queue got on a shared CPU. ``/generate`` (one response, not a token stream) so that the fleet's
-own work per token is not in the way of the engine's steps.
+The fleet is ``lora-guard serve-ray``'s: two engine replicas of a tiny random Llama (hidden size
+512, 4 layers; 3 adapter seats, policy ``lru``, one torch thread each) behind the
+adapter-affinity router, reached over real HTTP through Ray Serve's proxy and the ingress. Four
+clients replay the trace in a closed loop: each sends the trace's next request on ``/generate``
+once its last one is answered. A closed loop because the simulator replays it exactly
+(``simulate(clients=4)``: the same requests in the same order, each sent when a client is free)
+and because it keeps both replicas busy without letting queues grow, so that the latency is the
+engine's steps and loads rather than how long a queue got on a shared CPU. ``/generate`` (one
+response, not a token stream) so that the fleet's own work per token is not in the way of the
+engine's steps.
 
 Measured on the fleet: adapter loads (the replicas' own count, ``routing_stats()["loads"]``) and
 the latency p95 of the requests as the clients see it (from sending a request to having its
@@ -25,11 +26,12 @@ engine's one step for each.
 Loads must agree within 15%. A real-time replay on a shared CPU can be slowed by another process
 at any moment, so the test makes up to 3 runs, each on a fresh fleet with its own calibrations,
 and passes when one agrees (as ``tests/test_simulate.py`` does). The latency p95 is printed
-beside the loads, and asserted within 15% too with ``LORA_GUARD_SIM_P95=1``: on a 2-core machine
-that other work shares, the fleet's own processes (the proxy, the ingress, Ray's controller: about
-25 ms of CPU a request) and the other work take CPU from the replicas' steps that the
-calibration's do not lose, so the real p95 came out 28% to 40% above the simulated one
-(docs/simulate.md has the runs). ``pytest -s integration/test_simulate_fleet.py`` prints the
+beside the loads, and asserted within 15% too with ``SIMULATE_FLEET_P95=1``, on the same terms.
+It is not asserted by default because it does not agree reliably on a 2-core machine that other
+work shares: the fleet's own processes (the proxy, the ingress, Ray's controller: about 25 ms of
+CPU a request) and the other work take CPU from the replicas' steps that the calibration's
+engines do not lose, and the simulated p95 came out below the real one in 9 of 10 runs, by 5% to
+39% (docs/simulate.md has the runs). ``pytest -s integration/test_simulate_fleet.py`` prints the
 figures.
 """
 
@@ -73,7 +75,7 @@ MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_a
 PROBES = 20  # one-token requests that measure the fleet's time outside the engine
 TOLERANCE = 0.15
 ATTEMPTS = 3  # a real-time replay on a shared CPU: another process may slow one run down
-CHECK_P95 = os.environ.get("LORA_GUARD_SIM_P95") == "1"  # on a machine no other work shares
+CHECK_P95 = os.environ.get("SIMULATE_FLEET_P95") == "1"  # on a machine no other work shares
 
 
 @dataclass
@@ -86,8 +88,9 @@ class Answer:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The tiny test model made wider and deeper (44 MB): its steps are mostly the model's
-    compute, several times the fleet's own work for a request, as a real model's are."""
+    """The tiny test model made wider and deeper (44 MB), so that a request's steps are mostly
+    the model's compute, many times the fleet's own work for it (with the suite's tiny model the
+    fleet's work was as large as the engine's)."""
     root = tmp_path_factory.mktemp("simulated-fleet")
     model = make_tiny_llama(root / "model", **MODEL)
     make_adapters(model, root / "adapters", n=SPEC.adapters, ranks=(4, 8), strength=0.5,
