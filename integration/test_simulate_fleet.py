@@ -30,8 +30,8 @@ beside the loads, and asserted within 15% too with ``SIMULATE_FLEET_P95=1``, on 
 It is not asserted by default because it does not agree reliably on a 2-core machine that other
 work shares: the fleet's own processes (the proxy, the ingress, Ray's controller: about 25 ms of
 CPU a request) and the other work take CPU from the replicas' steps that the calibration's
-engines do not lose, and the simulated p95 came out below the real one in 9 of 10 runs, by 5% to
-39% (docs/simulate.md has the runs). ``pytest -s integration/test_simulate_fleet.py`` prints the
+engines do not lose, and the simulated p95 came out below the real one in 10 of 11 runs, by 5%
+to 39% (docs/simulate.md has the runs). ``pytest -s integration/test_simulate_fleet.py`` prints the
 figures.
 """
 
