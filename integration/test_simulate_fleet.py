@@ -162,10 +162,9 @@ def closed_loop(url: str, trace: list[TraceRequest]) -> dict[str, Answer]:
         with httpx.Client(base_url=url, timeout=120) as http:
             while True:
                 with lock:
-                    request = next(pending, None)
-                if request is None:
+                    r = next(pending, None)
+                if r is None:
                     return
-                r = request
                 try:
                     answers[r.id] = generate(http, r.prompt, r.adapter_id, r.max_new_tokens,
                                              r.tenant)  # fmt: skip
