@@ -12,7 +12,10 @@ whose adapter is resident are admitted while ``max_num_seqs`` and the token budg
 A step costs a fixed part, a part per sequence, a part per MiB of adapter weights the batch
 reads and a part per prompt token it prefills, plus the pool writes of its loads (``Costs``,
 measured on the engine by ``lora-guard simulate --calibrate``). Routers see the replicas as a Ray
-router does: queue lengths at once, resident adapters as last pushed (every ``stats_period_s``).
+router does: queue lengths at once, resident adapters as last pushed (every ``stats_period_s``;
+with ``stats_tick_s``, as Ray Serve's controller polls each replica). Clients send each request
+at its time (open loop) or, with ``clients``, one after another (closed loop), each request
+spending ``overhead_ms`` outside the engine (HTTP, the router, the hops).
 
 Routers: ``lora-guard`` (``serve_ray.ranking``: affinity, room to load, spread, reserved loads),
 ``ray-multiplex`` (Ray Serve's multiplexed ranking: replicas that report the model, then those with
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import math
 import random
 import sys
 from collections import OrderedDict
@@ -60,8 +64,10 @@ class Outcome:
     request: SimRequest
     replica: str = ""
     hit: bool = False  # its adapter was resident on its replica when it arrived
+    sent: float = 0.0  # when its client sent it
     first_token: float | None = None
-    finish: float | None = None
+    finish: float | None = None  # its last token, on its replica
+    answered: float | None = None  # when its client has the answer
     computed: int = 0  # prompt tokens computed
     generated: int = 0
     needed_since: float | None = None  # since when it waits for its adapter (the engine's order)
@@ -119,10 +125,14 @@ class _Events:
 
 
 class _Fleet:
-    """The replicas and what happens in them, one engine step at a time."""
+    """The replicas and what happens in them, one engine step at a time; ``finished`` is told
+    of each request as its last token comes."""
 
-    def __init__(self, replicas: list[Replica], events: _Events) -> None:
-        self.replicas, self.events = replicas, events
+    def __init__(
+        self, replicas: list[Replica], events: _Events,
+        finished: Callable[[Outcome, float], None] = lambda _o, _t: None,
+    ) -> None:  # fmt: skip
+        self.replicas, self.events, self.finished = replicas, events, finished
 
     def arrive(self, replica: Replica, outcome: Outcome, now: float) -> None:
         outcome.replica = replica.replica_id
@@ -136,9 +146,10 @@ class _Fleet:
             return
         write_ms = self._bring_in(replica, now)
         batch, prefill = self._batch(replica)
-        adapters = {o.request.adapter_id for o, _ in batch} - {None}
+        # Used in the batch's order, as the engine marks them (the last the most recent).
+        adapters = list(dict.fromkeys(o.request.adapter_id for o, _ in batch
+                                      if o.request.adapter_id is not None))  # fmt: skip
         for adapter in adapters:
-            assert adapter is not None
             replica.resident[adapter].last_used = now
             replica.resident.move_to_end(adapter)
         if not batch and not write_ms:
@@ -265,6 +276,7 @@ class _Fleet:
                 outcome.first_token = now
             if outcome.generated >= outcome.request.new_tokens:
                 outcome.finish = now
+                self.finished(outcome, now)
         replica.running = [o for o in replica.running if o.finish is None]
         self._wake(replica, now)
 
@@ -329,6 +341,63 @@ class SimResult:
     loads_per_replica: tuple[int, ...] = ()
 
 
+class _Reports:
+    """What the router knows of each replica's pool: its resident adapters and free seats as it
+    last reported them (``ReplicaView``'s), queue lengths being the router's own at once.
+
+    With ``tick_s`` 0 every replica reports every ``period_s``, all at once, seen at once. With
+    ``tick_s`` > 0 they report as Ray Serve's controller has them report: it polls on ticks of
+    ``tick_s`` (its control loop), starts a replica's ``record_routing_stats`` once ``period_s``
+    times a random 0.9 to 1.1 has passed since it started the last one, each replica from its own
+    start, and the router sees the report on the next tick."""
+
+    def __init__(
+        self, fleet: _Fleet, events: _Events, period_s: float, tick_s: float, rng: random.Random,
+        running: Callable[[], bool],
+    ) -> None:  # fmt: skip
+        self.fleet, self.events, self.period_s, self.tick_s = fleet, events, period_s, tick_s
+        self.rng, self.running = rng, running
+        self.seen: dict[str, tuple[frozenset[str], int]] = {}
+
+    def start(self) -> None:
+        for replica in self.fleet.replicas:
+            self.seen[replica.replica_id] = _snapshot(replica)
+        if self.tick_s <= 0:
+            self.events.at(self.period_s, self._all)
+            return
+        for replica in self.fleet.replicas:  # each began reporting when it started
+            phase = self.tick_s * self.rng.randrange(max(round(self.period_s / self.tick_s), 1))
+            self.events.at(phase, self._one(replica))
+
+    def view(self, replica: Replica, max_queue: int) -> ReplicaView:
+        resident, free = self.seen[replica.replica_id]
+        return ReplicaView(replica.replica_id, resident, replica.queue_len, max_queue, free,
+                           cold_budget_left=1)  # fmt: skip
+
+    def _all(self, now: float) -> None:
+        for replica in self.fleet.replicas:
+            self.seen[replica.replica_id] = _snapshot(replica)
+        if self.running():
+            self.events.at(now + self.period_s, self._all)
+
+    def _one(self, replica: Replica) -> Callable[[float], None]:
+        def report(now: float) -> None:
+            snapshot = _snapshot(replica)
+            self.events.at(now + self.tick_s, lambda _t: self._see(replica, snapshot))
+            if self.running():  # the next on the first tick past the drawn period
+                wait = self.period_s * self.rng.uniform(0.9, 1.1)
+                self.events.at(now + self.tick_s * math.ceil(wait / self.tick_s), report)
+
+        return report
+
+    def _see(self, replica: Replica, snapshot: tuple[frozenset[str], int]) -> None:
+        self.seen[replica.replica_id] = snapshot
+
+
+def _snapshot(replica: Replica) -> tuple[frozenset[str], int]:
+    return frozenset(replica.resident), replica.free_seats()
+
+
 def simulate(
     trace: Sequence[SimRequest],
     router_name: str,
@@ -345,13 +414,35 @@ def simulate(
     max_batch_tokens: int = 2048,
     start_resident: Sequence[str] = (),
     start_host: Sequence[str] = (),
+    spread_queue: int = 4,
+    clients: int = 0,
+    overhead_ms: float = 0.0,
+    stats_tick_s: float = 0.0,
 ) -> SimResult:
     """Replay ``trace`` on ``replicas`` replicas of ``slots`` adapter seats behind the router
     ``router_name``. Every replica starts with ``start_resident`` in its pool (the last ones
-    if they are more than the seats) and ``start_host`` in host memory."""
+    if they are more than the seats) and ``start_host`` in host memory.
+
+    ``clients`` 0: each request is sent at its time. ``clients`` > 0: a closed loop, that many
+    clients each sending the trace's next request once its last one is answered (the trace's
+    times unused), the first ones at 0. ``overhead_ms``: each request's time outside the engine
+    (the client's HTTP, the router, the hops there and back), half before it reaches its
+    replica, half after its last token; latencies and TTFT are from its sending to its client.
+    ``spread_queue``: the ``lora-guard`` router's (``AffinityRanker``'s). ``stats_period_s``,
+    ``stats_tick_s``: how the replicas report their pools (``_Reports``)."""
     rng = random.Random(seed)
     events = _Events()
-    fleet = _Fleet([], events)
+    half_s = overhead_ms / 2000
+    outcomes = [Outcome(r) for r in trace]
+    pending = iter(outcomes[clients:] if clients else ())
+
+    def finished(outcome: Outcome, now: float) -> None:
+        outcome.answered = now + half_s
+        following = next(pending, None)
+        if following is not None:
+            events.at(outcome.answered, send(following))
+
+    fleet = _Fleet([], events, finished)
     for i in range(replicas):
         replica = Replica(f"r{i}", slots, max_num_seqs, costs, quantum_s, host_slots,
                           max_batch_tokens)  # fmt: skip
@@ -362,43 +453,48 @@ def simulate(
         fleet.replicas.append(replica)
     router: Router
     if router_name == "lora-guard":
-        router = AffinityRouter()
+        router = AffinityRouter(spread_queue)
     elif router_name in ("ray-multiplex", "power-of-two"):
         router = PowerOfTwoRouter(rng, multiplex=router_name == "ray-multiplex")
     else:
         raise ValueError(f"unknown router {router_name!r}; choose from {', '.join(ROUTERS)}")
-    pushed: dict[str, tuple[frozenset[str], int]] = {}
+    reports = _Reports(fleet, events, stats_period_s, stats_tick_s, rng,
+                       lambda: any(o.finish is None for o in outcomes))  # fmt: skip
 
-    def push(now: float) -> None:
-        for r in fleet.replicas:
-            pushed[r.replica_id] = (frozenset(r.resident), r.free_seats())
-        if any(o.finish is None for o in outcomes):
-            events.at(now + stats_period_s, push)
+    def send(outcome: Outcome) -> Callable[[float], None]:
+        def action(now: float) -> None:
+            outcome.sent = now
+            if half_s:
+                events.at(now + half_s, arrive(outcome))
+            else:
+                arrive(outcome)(now)
 
-    def views() -> list[ReplicaView]:
-        return [ReplicaView(r.replica_id, pushed[r.replica_id][0], r.queue_len, max_queue,
-                            pushed[r.replica_id][1], cold_budget_left=1)
-                for r in fleet.replicas]  # fmt: skip
+        return action
 
     def arrive(outcome: Outcome) -> Callable[[float], None]:
         def action(now: float) -> None:
             router.now = now
-            chosen = router.choose(outcome.request.adapter_id, views())
+            views = [reports.view(r, max_queue) for r in fleet.replicas]
+            chosen = router.choose(outcome.request.adapter_id, views)
             fleet.arrive(next(r for r in fleet.replicas if r.replica_id == chosen), outcome, now)
 
         return action
 
-    outcomes = [Outcome(r) for r in trace]
-    push(0.0)
-    for outcome in outcomes:
-        events.at(outcome.request.time, arrive(outcome))
+    reports.start()
+    for outcome in outcomes[:clients] if clients else outcomes:
+        events.at(0.0 if clients else outcome.request.time, send(outcome))
     events.run()
-    ttft = [(o.first_token - o.request.time) * 1000 for o in outcomes if o.first_token is not None]
-    latency = [(o.finish - o.request.time) * 1000 for o in outcomes if o.finish is not None]
+    return _result(router_name, fleet, outcomes, half_s)
+
+
+def _result(name: str, fleet: _Fleet, outcomes: list[Outcome], half_s: float) -> SimResult:
+    ttft = [(o.first_token + half_s - o.sent) * 1000 for o in outcomes
+            if o.first_token is not None]  # fmt: skip
+    latency = [(o.answered - o.sent) * 1000 for o in outcomes if o.answered is not None]
     per_replica = [sum(o.replica == r.replica_id for o in outcomes) for r in fleet.replicas]
     return SimResult(
-        router=router_name,
-        replicas=replicas,
+        router=name,
+        replicas=len(fleet.replicas),
         requests=len(outcomes),
         completed=len(latency),
         loads=sum(r.loads for r in fleet.replicas),

@@ -259,6 +259,34 @@ def calibrate(llm: LLM, adapter_ids: Sequence[str], **steps: Any) -> Calibration
     return Calibration(costs, step_fit, read_fit, write_fit)
 
 
+def calibrate_serve(
+    serve_argv: Sequence[str], adapter_ids: Sequence[str], threads: int = 1, **steps: Any
+) -> Costs:
+    """The costs of the engine that ``lora-guard serve SERVE_ARGV`` (and each ``serve-ray``
+    replica) runs: its settings, ``threads`` torch threads, measured in this process (see
+    :func:`calibrate`)."""
+    import torch
+
+    from lora_guard.config import load_settings
+    from lora_guard.engine import LLM
+
+    torch.set_num_threads(threads)
+    settings = load_settings(list(serve_argv))
+    llm = LLM(**settings.engine_kwargs(), policies=list(settings.policies),
+              settings=settings.plugin_settings())  # fmt: skip
+    try:
+        return calibrate(llm, adapter_ids, **steps).costs
+    finally:
+        llm.engine.shutdown()
+
+
+def mean_costs(costs: Sequence[Costs]) -> Costs:
+    """Each cost averaged over ``costs``."""
+    return Costs(**{f.name: statistics.mean(getattr(c, f.name) for c in costs)
+                    for f in fields(Costs) if f.name != "source"},
+                 source=f"the mean of {len(costs)} calibrations")  # fmt: skip
+
+
 def write_costs(calibration: Calibration, path: Path, about: dict[str, Any]) -> None:
     costs = {f.name: getattr(calibration.costs, f.name) for f in fields(Costs)
              if f.name != "source"}  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
@@ -124,3 +125,82 @@ def test_lora_guard_simulate_prints_one_row_per_router_with_the_costs_given(
     assert "costs.json (tiny" in out
     rows = [line for line in out.splitlines() if line.startswith("| 2 |")]
     assert [row.split("|")[2].strip() for row in rows] == ["lora-guard", "power-of-two"]
+
+
+FLAT = Costs(step_ms=10.0, step_per_seq_ms=1.0, step_per_adapter_mib_ms=0.0,
+             prefill_per_token_ms=0.0)  # fmt: skip
+
+
+def test_closed_loop_clients_send_each_request_once_their_last_is_answered() -> None:
+    trace = [SimRequest(i, 0.0, None, 4, 5) for i in range(3)]  # 5 steps each
+    one = simulate(trace, "lora-guard", 1, 1, FLAT, clients=1, overhead_ms=4.0)
+    # One at a time: 5 steps of one sequence, and the time outside the engine.
+    assert one.completed == 3
+    assert (one.latency_p50_ms, one.latency_p95_ms) == pytest.approx((4 + 5 * 11, 4 + 5 * 11))
+    # Open loop: the three at once share their steps, and wait for each other.
+    together = simulate(trace, "lora-guard", 1, 1, FLAT, overhead_ms=4.0)
+    assert together.latency_p95_ms > 4 + 5 * 12
+
+
+def test_closed_loop_clients_leave_the_trace_times_unused() -> None:
+    trace = [SimRequest(i, 100.0 * i, None, 4, 5) for i in range(4)]
+    alone = simulate(trace, "lora-guard", 1, 1, FLAT)  # 100 s apart: one at a time
+    assert alone.latency_p95_ms == pytest.approx(5 * 11)
+    two = simulate(trace, "lora-guard", 1, 1, FLAT, clients=2)  # two at a time, at once
+    assert two.completed == 4 and two.latency_p50_ms > 5 * 11
+
+
+def test_a_hot_adapter_spreads_at_the_routers_spread_queue() -> None:
+    trace = [SimRequest(i, 0.0, "a", 4, 5) for i in range(5)]
+    # The fifth request finds the replica holding "a" with 4 requests: it spreads at 4 ...
+    assert simulate(trace, "lora-guard", 2, 2, FLAT, spread_queue=4).loads == 2
+    # ... and not under a fleet whose spread queue is a full batch (serve-ray's default).
+    assert simulate(trace, "lora-guard", 2, 2, FLAT, spread_queue=64).loads == 1
+
+
+def seen_changes(tick_s: float, changed_at: list[float]) -> list[float]:
+    """When the router saw replica r0 change: its pool gains and loses an adapter at each time
+    of ``changed_at`` (alternately), reported every 0.5 s."""
+    from lora_guard.simulate import Replica, _Events, _Fleet, _Reports, _Seat
+
+    events = _Events()
+    fleet = _Fleet([Replica(f"r{i}", 2, 4, FLAT, 1.0) for i in range(2)], events)
+    clock = [0.0]
+    reports = _Reports(fleet, events, 0.5, tick_s, random.Random(3), lambda: clock[0] < 6.0)
+    r0 = fleet.replicas[0]
+
+    def flip(now: float) -> None:
+        if "a" in r0.resident:
+            del r0.resident["a"]
+        else:
+            r0.resident["a"] = _Seat(now, now)
+
+    for at in changed_at:
+        events.at(at, flip)
+    seen: list[float] = []
+
+    def sample(now: float) -> None:
+        clock[0] = now
+        holds = "a" in reports.seen["r0"][0]
+        if holds != (len(seen) % 2 == 1):
+            seen.append(now)
+        if now < 6.0:
+            events.at(now + 0.01, sample)
+
+    reports.start()
+    events.at(0.0, sample)
+    events.run()
+    return seen
+
+
+def test_replicas_report_their_pools_as_ray_serves_controller_polls_them() -> None:
+    changed_at = [0.05, 1.23, 2.71, 4.02]
+    # At once every 0.5 s: seen at the next half second.
+    at_once = seen_changes(0.0, changed_at)
+    assert at_once == pytest.approx([0.5, 1.5, 3.0, 4.5], abs=0.011)
+    # Polled on the controller's ticks of 0.1 s every 0.45 to 0.55 s, seen a tick later: from
+    # a tick to a tick past the longest period after the change.
+    polled = seen_changes(0.1, changed_at)
+    assert len(polled) == len(changed_at)
+    for change, seen in zip(changed_at, polled, strict=True):
+        assert change + 0.1 <= seen + 0.011 and seen <= change + 0.1 + 0.6 + 0.011
