@@ -31,8 +31,8 @@ It is not asserted by default because it does not agree reliably on a 2-core mac
 work shares: the fleet's own processes (the proxy, the ingress, Ray's controller: about 25 ms of
 CPU a request) and the other work take CPU from the replicas' steps that the calibration's
 engines do not lose; the simulated p95 came out below the real one in 10 of 11 runs there, by 5%
-to 39%, and within 15% in 4 of 6 runs on the quiet machine (docs/simulate.md has the runs). ``pytest -s integration/test_simulate_fleet.py`` prints the
-figures.
+to 39%, and within 15% in 4 of 6 runs on the quiet machine (docs/simulate.md has the runs).
+``pytest -s integration/test_simulate_fleet.py`` prints the figures.
 """
 
 from __future__ import annotations
