@@ -21,12 +21,13 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lora_guard.engine import LLM
+    from lora_guard.engine.llm_engine import StepRecord
 
 MIB = 2**20
 BATCHES = (1, 4, 16, 32)
@@ -70,14 +71,6 @@ class Costs:
 
 
 @dataclass(frozen=True)
-class StepSample:
-    ms: float
-    seqs: int
-    adapter_mib: float  # the distinct adapters the step read
-    prefill_tokens: int
-
-
-@dataclass(frozen=True)
 class LoadSample:
     adapter_mib: float
     read_ms: float
@@ -112,6 +105,38 @@ def fit_line(rows: Sequence[Sequence[float]], measured: Sequence[float]) -> Fit:
     )
 
 
+def fit_steps(steps: Sequence[StepRecord], loads: bool = False) -> Fit:
+    """The step cost's line, ``fixed + per sequence + per MiB of adapter weights read + per
+    prefill token`` in milliseconds, fitted to engine steps (``LLMEngine.stats.recent_steps``: a
+    calibration's, or a fleet's step log). Steps that wrote an adapter into the pool are left
+    out, or with ``loads`` fitted with a fifth term, per adapter written (the write as the
+    fleet's steps make it)."""
+    used = [s for s in steps if s.seqs and (loads or not s.loads)]
+    terms = 5 if loads else 4
+    if len(used) < terms:
+        raise ValueError(f"{len(used)} steps to fit; the step cost needs at least {terms}")
+    rows = [(1, s.seqs, s.adapter_bytes / MIB, s.prefill_tokens, s.loads)[:terms] for s in used]
+    return fit_line(rows, [s.seconds * 1000 for s in used])
+
+
+def read_step_log(path: Path) -> list[StepRecord]:
+    """The steps of a step log (``lora-guard serve --step-log FILE``: a line a step, of one or
+    many replicas)."""
+    from lora_guard.engine.llm_engine import StepRecord
+
+    with path.open() as lines:
+        return [StepRecord(**json.loads(line)) for line in lines if line.strip()]
+
+
+def with_step_fit(costs: Costs, fit: Fit, source: str) -> Costs:
+    """``costs`` with the step cost of ``fit`` (:func:`fit_steps`), and the write's when the fit
+    has its term."""
+    fixed, per_seq, per_mib, per_token, *write = fit.coefficients
+    costs = replace(costs, step_ms=fixed, step_per_seq_ms=per_seq, step_per_adapter_mib_ms=per_mib,
+                    prefill_per_token_ms=per_token, source=source)  # fmt: skip
+    return replace(costs, write_ms=write[0], write_per_mib_ms=0.0) if write else costs
+
+
 @dataclass(frozen=True)
 class Calibration:
     costs: Costs
@@ -143,63 +168,47 @@ def measure_steps(
     new_tokens: int = 16,
     repeats: int = 2,
     seed: int = 0,
-) -> list[StepSample]:
+) -> list[StepRecord]:
     """Every step of batches of each size, over each number of adapters, with each prompt
     length, all adapters resident: each batch run ``repeats`` times, each of its steps the
     median of its runs (a step that another process slowed down does not skew the fit)."""
     rng = random.Random(seed)
     _make_resident(llm, adapter_ids)
-    mib = {a: _resident_mib(llm, a) for a in adapter_ids}
     samples = []
     for batch in batches:
         for count in (k for k in adapters_per_batch if k <= min(batch, len(adapter_ids))):
             for length in prompt_tokens:
                 adapters = [adapter_ids[i % count] if count else None for i in range(batch)]
-                runs = [_run_batch(llm, rng, adapters, length, new_tokens, mib)
+                runs = [_run_batch(llm, rng, adapters, length, new_tokens)
                         for _ in range(repeats)]  # fmt: skip
                 for steps in zip(*runs, strict=False):
-                    if len({(s.seqs, s.adapter_mib, s.prefill_tokens) for s in steps}) == 1:
-                        ms = statistics.median(s.ms for s in steps)
-                        samples.append(StepSample(ms, steps[0].seqs, steps[0].adapter_mib,
-                                                  steps[0].prefill_tokens))  # fmt: skip
+                    if len({(s.seqs, s.adapter_bytes, s.prefill_tokens) for s in steps}) == 1:
+                        seconds = statistics.median(s.seconds for s in steps)
+                        samples.append(replace(steps[0], seconds=seconds))
     return samples
 
 
 def _run_batch(
-    llm: LLM,
-    rng: random.Random,
-    adapters: Sequence[str | None],
-    length: int,
-    new_tokens: int,
-    mib: dict[str, float],
-) -> list[StepSample]:
+    llm: LLM, rng: random.Random, adapters: Sequence[str | None], length: int, new_tokens: int
+) -> list[StepRecord]:
     """Prompts of ``length`` random tokens, one per adapter of ``adapters``, arriving one a step
-    as in serving (each prefill joins the decodes of those before it), run to the end; each step
-    timed (a step that loaded an adapter is left out)."""
+    as in serving (each prefill joins the decodes of those before it), run to the end; the
+    engine's record of each step that loaded no adapter."""
     from lora_guard.engine import SamplingParams
 
     engine, vocab = llm.engine, len(llm.tokenizer)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     tag = f"calibrate-{rng.getrandbits(48):x}"
-    seqs: list[Any] = []
-    samples = []
-    while len(seqs) < len(adapters) or engine.has_unfinished_requests():
-        if len(seqs) < len(adapters):
+    added, samples = 0, []
+    while added < len(adapters) or engine.has_unfinished_requests():
+        if added < len(adapters):
             prompt = [rng.randrange(3, vocab) for _ in range(length)]
-            seqs.append(engine.add_request(f"{tag}-{len(seqs)}", prompt, params,
-                                           adapters[len(seqs)]))  # fmt: skip
-        before = [s.num_computed_tokens for s in seqs]
-        loads = engine.adapters.stats.loads
-        started = time.perf_counter()
+            engine.add_request(f"{tag}-{added}", prompt, params, adapters[added])
+            added += 1
+        steps = engine.stats.steps
         engine.step()
-        ms = (time.perf_counter() - started) * 1000
-        ran = [(s, s.num_computed_tokens - b) for s, b in zip(seqs, before, strict=True)
-               if s.num_computed_tokens > b]  # fmt: skip
-        if not ran or engine.adapters.stats.loads != loads:
-            continue
-        used = {s.adapter_id for s, _ in ran if s.adapter_id is not None}
-        prefill = sum(n for s, n in ran if s.num_computed_tokens - n < length)
-        samples.append(StepSample(ms, len(ran), sum(mib[a] for a in used), prefill))
+        if engine.stats.steps > steps and not engine.stats.recent_steps[-1].loads:
+            samples.append(engine.stats.recent_steps[-1])
     return samples
 
 
@@ -239,23 +248,18 @@ def calibrate(llm: LLM, adapter_ids: Sequence[str], **steps: Any) -> Calibration
     (as many as the most adapters a batch mixes: the engine needs that many seats), and fit the
     simulator's costs to them. ``steps`` go to :func:`measure_steps`."""
     mixed = max(steps.get("adapters_per_batch", ADAPTERS_PER_BATCH))
-    step_samples = measure_steps(llm, adapter_ids[:mixed], **steps)
+    step_fit = fit_steps(measure_steps(llm, adapter_ids[:mixed], **steps))
     load_samples = measure_loads(llm, adapter_ids)
-    step_fit = fit_line([(1, s.seqs, s.adapter_mib, s.prefill_tokens) for s in step_samples],
-                        [s.ms for s in step_samples])  # fmt: skip
     read_fit = fit_line([(1, s.adapter_mib) for s in load_samples],
                         [s.read_ms for s in load_samples])  # fmt: skip
     write_fit = fit_line([(1, s.adapter_mib) for s in load_samples],
                          [s.write_ms for s in load_samples])  # fmt: skip
-    fixed, per_seq, per_mib, per_token = step_fit.coefficients
-    costs = Costs(
-        step_ms=fixed, step_per_seq_ms=per_seq, step_per_adapter_mib_ms=per_mib,
-        prefill_per_token_ms=per_token,
+    loads = Costs(
         read_ms=read_fit.coefficients[0], read_per_mib_ms=read_fit.coefficients[1],
         write_ms=write_fit.coefficients[0], write_per_mib_ms=write_fit.coefficients[1],
         adapter_mib=statistics.mean(s.adapter_mib for s in load_samples),
-        source="calibrated in this process",
     )  # fmt: skip
+    costs = with_step_fit(loads, step_fit, "calibrated in this process")
     return Calibration(costs, step_fit, read_fit, write_fit)
 
 

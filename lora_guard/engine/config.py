@@ -254,6 +254,10 @@ class EngineConfig:
                                         "request", check=at_least(2), metavar="N",
                                         shown="the model's context length",
                                         flag="max_total_tokens")  # fmt: skip
+    step_log: str | None = setting(None, help="append one JSON line a step to this file (when, "
+                                   "sequences, adapter bytes read, prefill tokens, loads, "
+                                   "seconds): a step log to fit `lora-guard simulate`'s step cost "
+                                   "to", check=text, metavar="FILE")  # fmt: skip
     lora_mode: str = "slots"
     static_adapter: str | None = None
     reject_when_busy: bool = True  # False: a policy's "busy" makes a request wait (LLM.generate)

@@ -58,6 +58,7 @@ class LLM:
         max_batch_tokens: int = 2048,
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
+        step_log: str | None = None,
         policies: str | SequenceOf[str] | None = None,
         plugins: SequenceOf[str] = (),
         disabled_plugins: SequenceOf[str] = (),

@@ -6,14 +6,16 @@ thread-safe: one thread drives it (``LLM`` directly, ``AsyncEngine`` from its lo
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
 
 import torch
 
-from lora_guard.engine.config import EngineConfig
+from lora_guard.engine.config import ConfigError, EngineConfig
 from lora_guard.engine.errors import RequestError as RequestError  # re-exported
 from lora_guard.engine.request_check import RequestCheck
 from lora_guard.engine.runner import ModelRunner, StepResult
@@ -58,13 +60,30 @@ class RequestOutput:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one step computed and how long it took: a fleet's step log, to which
+    ``lora-guard simulate``'s step cost can be fitted (``simulate_costs.fit_steps``)."""
+
+    step: int  # the engine's step count after it
+    finished_at: float  # wall-clock time.time() at its end
+    seconds: float  # wall time, from scheduling to the observers told of it
+    seqs: int
+    adapter_bytes: int  # the distinct adapters' weights the batch read
+    prefill_tokens: int
+    loads: int  # adapters written into the pool in the step
+
+
+RECENT_STEPS = 4096
+
+
 @dataclass
 class EngineStats:
     steps: int = 0
     preemptions: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    step_times: list[float] = field(default_factory=list)
+    recent_steps: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
 
 
 class LLMEngine:
@@ -87,6 +106,14 @@ class LLMEngine:
         self.model, self.pool = runner.model, runner.pool
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
+        self.step_log: TextIO | None = None
+        if config.step_log:  # line buffered: each line one append, so replicas may share a file
+            try:
+                self.step_log = open(config.step_log, "a", buffering=1)  # noqa: SIM115
+            except OSError as exc:
+                raise ConfigError(
+                    f"step_log: cannot write {config.step_log}: {exc.strerror}"
+                ) from None
 
     # requests
     def add_request(
@@ -136,7 +163,7 @@ class LLMEngine:
 
     # the step
     def step(self) -> list[RequestOutput]:
-        started = time.perf_counter()
+        started, loads = time.perf_counter(), self.adapters.stats.loads
         try:
             plan = self.scheduler.schedule()
             outputs = [self._fail(f.seq, f.reason, f.retry_after) for f in plan.failed]
@@ -153,13 +180,15 @@ class LLMEngine:
                 outputs += [self._fail(s.seq, f"generation failed: {exc}") for s in plan.scheduled]
                 self._step_finished(0, time.perf_counter() - started)  # observers see blocks freed
                 return outputs
-            return outputs + self._postprocess(plan, result, started)
+            return outputs + self._postprocess(plan, result, started, loads)
         finally:
             self.scheduler.end_step()
 
     def _postprocess(
-        self, plan: SchedulerOutput, result: StepResult, started: float
+        self, plan: SchedulerOutput, result: StepResult, started: float, loads: int
     ) -> list[RequestOutput]:
+        prefill = sum(s.num_new_tokens for s in plan.scheduled  # all but decodes' tokens
+                      if s.seq.num_computed_tokens + 1 < len(s.seq.token_ids))  # fmt: skip
         self.scheduler.advance(plan)
         now, outputs = time.monotonic(), []
         for seq, token, logprob in zip(result.sampled, result.tokens, result.logprobs, strict=True):
@@ -171,9 +200,15 @@ class LLMEngine:
             outputs.append(self._after_token(seq, token))
         self.stats.steps += 1
         self.stats.prompt_tokens += plan.num_tokens - len(result.sampled)
-        duration = time.perf_counter() - started
-        self.stats.step_times.append(duration)
-        self._step_finished(plan.num_tokens, duration)
+        self._step_finished(plan.num_tokens, time.perf_counter() - started)
+        adapters = {id(s.adapter): s.adapter.layout.nbytes for s in plan.scheduled if s.adapter}
+        record = StepRecord(
+            self.stats.steps, time.time(), time.perf_counter() - started, len(plan.scheduled),
+            sum(adapters.values()), prefill, self.adapters.stats.loads - loads,
+        )  # fmt: skip
+        self.stats.recent_steps.append(record)
+        if self.step_log is not None:
+            self.step_log.write(json.dumps(asdict(record)) + "\n")
         return outputs
 
     def _after_token(self, seq: Sequence, token: int) -> RequestOutput:
@@ -228,6 +263,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.adapters.loader.shutdown()
+        if self.step_log is not None:
+            self.step_log.close()
 
 
 def encode_text(tokenizer: Any, prompt: str) -> list[int]:

@@ -15,7 +15,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from fastapi import FastAPI, Request
@@ -26,6 +26,9 @@ from ray.serve.handle import DeploymentHandle
 
 from lora_guard.serve_ray.asgi import Forwarded, Head, call_app
 from lora_guard.serve_ray.metrics import merge_metrics
+
+if TYPE_CHECKING:
+    from lora_guard.engine.llm_engine import StepRecord
 
 log = logging.getLogger("lora_guard.serve_ray")
 
@@ -83,6 +86,14 @@ class EngineReplica:
         stats: dict[str, Any] = await self.state.engine.call(routing_stats)
         stats["max_concurrent_requests"] = self.state.limits.max_concurrent_requests
         return stats
+
+    async def recent_steps(self) -> "list[StepRecord]":
+        """The engine's last steps (``LLMEngine.stats.recent_steps``), oldest first: its step
+        log, to fit ``lora-guard simulate``'s step cost to (``simulate_costs.fit_steps``)."""
+        steps: list[StepRecord] = await self.state.engine.call(
+            lambda engine: list(engine.stats.recent_steps)
+        )
+        return steps
 
     def __del__(self) -> None:
         state = getattr(self, "state", None)
