@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -28,7 +27,7 @@ from lora_guard.bench.oracle import OracleRequest, oracle_tokens
 from lora_guard.bench.replay import EngineOptions
 from lora_guard.bench.stats import percentile
 from lora_guard.bench.workload import TraceRequest, WorkloadSpec, make_trace
-from lora_guard.testing import free_port
+from lora_guard.testing import closed_loop, free_port
 
 ray = pytest.importorskip("ray", reason="needs lora-guard[ray]")
 serve = pytest.importorskip("ray.serve")
@@ -157,28 +156,14 @@ def stream(client: httpx.Client, request: TraceRequest) -> Answer:
 def replay(url: str, trace: list[TraceRequest]) -> dict[str, Answer]:
     """``CLIENTS`` clients, each sending the next request of the trace once its last one is
     answered (closed loop)."""
-    pending = iter(trace)
-    lock = threading.Lock()
-    answers: dict[str, Answer] = {}
 
-    def client() -> None:
-        with httpx.Client(base_url=url, timeout=120) as http:
-            while True:
-                with lock:
-                    request = next(pending, None)
-                if request is None:
-                    return
-                try:
-                    answers[request.id] = stream(http, request)
-                except httpx.HTTPError as exc:
-                    answers[request.id] = Answer(error=f"{type(exc).__name__}: {exc}")
+    def answer(http: httpx.Client, request: TraceRequest) -> Answer:
+        try:
+            return stream(http, request)
+        except httpx.HTTPError as exc:
+            return Answer(error=f"{type(exc).__name__}: {exc}")
 
-    threads = [threading.Thread(target=client) for _ in range(CLIENTS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(600)
-    return answers
+    return dict(zip((r.id for r in trace), closed_loop(url, trace, answer, CLIENTS), strict=True))
 
 
 def wrong(answers: dict[str, Answer], oracle: dict[str, list[int]]) -> list[str]:

@@ -35,7 +35,6 @@ and passes when one agrees (as ``tests/test_simulate.py`` does).
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -57,7 +56,7 @@ from lora_guard.simulate_costs import (
     read_step_log,
     with_step_fit,
 )
-from lora_guard.testing import free_port, make_tiny_llama
+from lora_guard.testing import closed_loop, free_port, make_tiny_llama
 
 ray = pytest.importorskip("ray", reason="needs lora-guard[ray]")
 serve = pytest.importorskip("ray.serve")
@@ -153,71 +152,37 @@ def generate(http: httpx.Client, prompt: str, adapter: str | None, tokens: int,
     return answer
 
 
-def closed_loop(url: str, trace: list[TraceRequest]) -> dict[str, Answer]:
+def answer(http: httpx.Client, r: TraceRequest) -> Answer:
+    """The trace's request ``r`` on ``/generate``; an HTTP failure is its answer's error."""
+    try:
+        return generate(http, r.prompt, r.adapter_id, r.max_new_tokens, r.tenant)
+    except httpx.HTTPError as exc:
+        return Answer(error=f"{type(exc).__name__}: {exc}")
+
+
+def replay(url: str, trace: list[TraceRequest]) -> dict[str, Answer]:
     """``CLIENTS`` clients, each sending the trace's next request once its last one is
     answered."""
-    pending = iter(trace)
-    lock = threading.Lock()
-    answers: dict[str, Answer] = {}
-
-    def client() -> None:
-        with httpx.Client(base_url=url, timeout=120) as http:
-            while True:
-                with lock:
-                    r = next(pending, None)
-                if r is None:
-                    return
-                try:
-                    answers[r.id] = generate(http, r.prompt, r.adapter_id, r.max_new_tokens,
-                                             r.tenant)  # fmt: skip
-                except httpx.HTTPError as exc:
-                    answers[r.id] = Answer(error=f"{type(exc).__name__}: {exc}")
-
-    threads = [threading.Thread(target=client) for _ in range(CLIENTS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(600)
-    return answers
+    return dict(zip((r.id for r in trace), closed_loop(url, trace, answer, CLIENTS), strict=True))
 
 
 def warm_up(url: str, prompt: str) -> None:
-    """Base-model requests two at a time (one on each replica: the shorter queue), so that
+    """Base-model requests from two clients (one on each replica: the shorter queue), so that
     neither replica's first steps are measured."""
-    with httpx.Client(base_url=url, timeout=60) as http:
-        for _ in range(3):
-            threads = [threading.Thread(target=generate, args=(http, prompt, None, 8))
-                       for _ in range(REPLICAS)]  # fmt: skip
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
+    closed_loop(url, [prompt] * 3 * REPLICAS, lambda http, p: generate(http, p, None, 8),
+                REPLICAS, timeout_s=60)  # fmt: skip
 
 
 def probe(url: str, prompts: list[str]) -> list[float]:
     """Seconds to the answer of one-token base-model requests from two clients, each sending
     its next once its last is answered (one on each replica: the shorter queue)."""
-    pending = iter(prompts)
-    lock = threading.Lock()
-    seconds: dict[str, float] = {}
 
-    def client() -> None:
-        with httpx.Client(base_url=url, timeout=60) as http:
-            while True:
-                with lock:
-                    prompt = next(pending, None)
-                if prompt is None:
-                    return
-                answer = generate(http, prompt, None, 1)
-                assert answer.status == 200 and answer.generated == 1, answer.error
-                seconds[prompt] = answer.seconds
+    def one_token(http: httpx.Client, prompt: str) -> float:
+        answer = generate(http, prompt, None, 1)
+        assert answer.status == 200 and answer.generated == 1, answer.error
+        return answer.seconds
 
-    threads = [threading.Thread(target=client) for _ in range(REPLICAS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    return [seconds[p] for p in prompts]
+    return closed_loop(url, prompts, one_token, REPLICAS, timeout_s=60)
 
 
 @dataclass(frozen=True)
@@ -273,7 +238,7 @@ def run_once(files: tuple[Path, Path], port: int, trace: list[TraceRequest], tag
         probe_s = probe(url, probes)
         assert sum(s["loads"] for s in fleet_stats(name)) == 0  # the base model's only
         started = time.time()
-        answers = closed_loop(url, trace)
+        answers = replay(url, trace)
         ended = time.time()
         loads = sum(s["loads"] for s in fleet_stats(name))
     finally:

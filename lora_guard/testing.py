@@ -10,11 +10,18 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    import httpx
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -162,6 +169,44 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def closed_loop(
+    url: str,
+    items: Sequence[Item],
+    send: Callable[[httpx.Client, Item], Result],
+    clients: int,
+    timeout_s: float = 120.0,
+) -> list[Result]:
+    """``clients`` HTTP clients of ``url``, each sending the next of ``items`` (``send(http,
+    item)``) once its last one is answered; the results in the order of ``items``. An error in
+    a client stops the others and is raised here."""
+    import httpx
+
+    results: dict[int, Result] = {}
+    errors: list[BaseException] = []
+    pending, lock = iter(range(len(items))), threading.Lock()
+
+    def client() -> None:
+        with httpx.Client(base_url=url, timeout=timeout_s) as http:
+            while not errors:
+                with lock:
+                    i = next(pending, None)
+                if i is None:
+                    return
+                try:
+                    results[i] = send(http, items[i])
+                except BaseException as exc:  # raised in the caller's thread
+                    errors.append(exc)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return [results[i] for i in range(len(items))]
 
 
 def start_server(

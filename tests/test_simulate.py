@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,14 @@ from lora_guard.bench.replay import EngineOptions, replay_scheme, scheme_llm
 from lora_guard.bench.stats import percentile
 from lora_guard.bench.workload import TraceRequest, WorkloadSpec, make_trace
 from lora_guard.simulate import SimRequest, sim_requests, simulate
-from lora_guard.simulate_costs import Costs, calibrate, fit_line, read_costs, write_costs
+from lora_guard.simulate_costs import (
+    Costs,
+    calibrate,
+    fit_line,
+    mean_costs,
+    read_costs,
+    write_costs,
+)
 from lora_guard.testing import AdapterFactory
 
 SEATS = 4
@@ -54,7 +60,7 @@ def test_the_calibrated_simulator_agrees_with_a_real_replay(
         latency = [(r.finish - r.arrival) * 1000 for r in run.records if r.finish is not None]
         real_p95 = percentile(latency, 95)
         assert real_p95 is not None and real_loads > 0
-        sim = simulate(requests, "lora-guard", 1, SEATS, _mean(before, after),
+        sim = simulate(requests, "lora-guard", 1, SEATS, mean_costs([before, after]),
                        start_resident=run.start_resident, start_host=ids)  # fmt: skip
         figures = (f"loads: simulated {sim.loads}, real {real_loads}; latency p95: simulated "
                    f"{sim.latency_p95_ms:.0f} ms, real {real_p95:.0f} ms")  # fmt: skip
@@ -76,11 +82,6 @@ def _calibrated(
     requests = sim_requests(trace, lambda prompt: len(llm.engine.encode(prompt)))
     llm.engine.shutdown()
     return calibration.costs, requests
-
-
-def _mean(a: Costs, b: Costs) -> Costs:
-    return Costs(**{f.name: (getattr(a, f.name) + getattr(b, f.name)) / 2 for f in fields(Costs)
-                    if f.name != "source"})  # fmt: skip
 
 
 def test_a_fitted_line_recovers_its_coefficients_and_reports_its_error() -> None:

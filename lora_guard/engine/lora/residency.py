@@ -314,7 +314,8 @@ class ResidencyManager:
 
     def choose_seat(self, now: float) -> int | None:
         """A free seat, else the seat of the adapter to evict: one no request needs (least
-        recently used first), else the one resident longest whose quantum is over."""
+        recently used first), else the least recently used one requests need whose quantum
+        is over."""
         for seat, entry in enumerate(self.seats):
             if entry is None:
                 return seat
