@@ -78,26 +78,17 @@ class Replay:
 
     def __init__(self, llm: Any, clock: VirtualClock, costs: Costs) -> None:
         self.llm, self.engine, self.clock, self.costs = llm, llm.engine, clock, costs
-        self.plans: list[Any] = []
-        schedule = self.engine.scheduler.schedule
-
-        def recorded() -> Any:  # the step's plan, for its cost
-            plan = schedule()
-            self.plans.append(plan)
-            return plan
-
-        self.engine.scheduler.schedule = recorded
 
     def step(self) -> list[Any]:
         """One engine step; the clock moves by its cost (a read from disk lands by the next)."""
-        self.plans.clear()
-        loads = self.engine.adapters.stats.loads
+        stats, loads = self.engine.stats, self.engine.adapters.stats.loads
+        steps = stats.steps
         outputs = self.engine.step()
-        scheduled = self.plans[0].scheduled if self.plans else []
-        adapters = {id(s.adapter) for s in scheduled if s.adapter is not None}
-        prefill = sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1)
         written = self.engine.adapters.stats.loads - loads
-        cost_ms = self.costs.step(len(scheduled), len(adapters), prefill) if scheduled else 1.0
+        cost_ms = 1.0  # a step that computed nothing
+        if stats.steps > steps:
+            ran = stats.recent_steps[-1]
+            cost_ms = self.costs.step(ran.seqs, ran.adapters, ran.prefill_tokens)
         self.clock.now += (cost_ms + written * self.costs.write()) / 1000
         while not all(f.done() for f in self.engine.adapters.loader.pending.values()):
             time.sleep(0.0005)

@@ -69,7 +69,8 @@ class StepRecord:
     finished_at: float  # wall-clock time.time() at its end
     seconds: float  # wall time, from scheduling to the observers told of it
     seqs: int
-    adapter_bytes: int  # the distinct adapters' weights the batch read
+    adapters: int  # distinct adapters in the batch
+    adapter_bytes: int  # their weights, which the batch read
     prefill_tokens: int
     loads: int  # adapters written into the pool in the step
 
@@ -204,7 +205,7 @@ class LLMEngine:
         adapters = {id(s.adapter): s.adapter.layout.nbytes for s in plan.scheduled if s.adapter}
         record = StepRecord(
             self.stats.steps, time.time(), time.perf_counter() - started, len(plan.scheduled),
-            sum(adapters.values()), prefill, self.adapters.stats.loads - loads,
+            len(adapters), sum(adapters.values()), prefill, self.adapters.stats.loads - loads,
         )  # fmt: skip
         self.stats.recent_steps.append(record)
         if self.step_log is not None:
