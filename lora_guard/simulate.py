@@ -558,6 +558,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--costs", type=Path, help="costs JSON written by --calibrate "
                         "(default: the demo model's, docs/simulate.md)")  # fmt: skip
+    parser.add_argument("--step-log", type=Path, metavar="FILE",
+                        help="fit the step and write costs to a step log (lora-guard serve "
+                        "--step-log FILE), over --costs or the defaults")  # fmt: skip
     parser.add_argument("--calibrate", type=Path, metavar="OUT.json",
                         help="measure the engine's costs and write them here")  # fmt: skip
     parser.add_argument("--model", type=Path, help="--calibrate: checkpoint (default: the demo)")
@@ -572,6 +575,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return calibrate_command(args.calibrate, args.model, args.adapter_dir, args.device,
                                  args.dtype)  # fmt: skip
     costs = read_costs(args.costs) if args.costs else DEFAULT_COSTS
+    if args.step_log is not None:
+        costs = _fitted(costs, args.step_log)
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     print(f"costs: {costs.source}")
     print("| replicas | router | loads per 1000 requests | hit rate | TTFT p50 ms | TTFT p95 ms "
@@ -587,6 +592,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{result.hit_rate:.2f} | {result.ttft_p50_ms:.0f} | {result.ttft_p95_ms:.0f} "
                   f"| {result.busiest_share:.2f} |", flush=True)  # fmt: skip
     return 0
+
+
+def _fitted(costs: Costs, step_log: Path) -> Costs:
+    """``costs`` with the step and write costs fitted to the steps of ``step_log``."""
+    from lora_guard.simulate_costs import fit_steps, read_step_log, with_step_fit
+
+    try:
+        steps = read_step_log(step_log)
+        fit = fit_steps(steps, loads=True)
+    except (OSError, ValueError, TypeError) as exc:
+        raise SystemExit(f"lora-guard simulate: --step-log {step_log}: {exc}") from None
+    fitted = with_step_fit(costs, fit, f"{costs.source}, the step fitted to {step_log.name}")
+    print(f"step ms = {fitted.step_ms:.3f} + {fitted.step_per_seq_ms:.4f} x sequences + "
+          f"{fitted.step_per_adapter_mib_ms:.4f} x adapter MiB + "
+          f"{fitted.prefill_per_token_ms:.4f} x prefill tokens + {fitted.write_ms:.3f} x loads "
+          f"(over {fit.samples} steps of {step_log.name}: {100 * fit.rms_relative:.0f}% RMS "
+          f"relative)")  # fmt: skip
+    return fitted
 
 
 if __name__ == "__main__":

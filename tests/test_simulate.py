@@ -205,3 +205,32 @@ def test_replicas_report_their_pools_as_ray_serves_controller_polls_them() -> No
     assert len(polled) == len(changed_at)
     for change, seen in zip(changed_at, polled, strict=True):
         assert change + 0.1 <= seen + 0.011 and seen <= change + 0.1 + 0.6 + 0.011
+
+
+def test_lora_guard_simulate_fits_its_step_cost_to_a_step_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from lora_guard.cli import main
+    from lora_guard.simulate_costs import MIB
+
+    def ms(seqs: int, mib: int, prefill: int, loads: int) -> float:
+        return 6.0 + 1.5 * seqs + 0.5 * mib + 0.1 * prefill + 12.0 * loads
+
+    log = tmp_path / "steps.jsonl"
+    grid = [(n, m, p, w) for n in (1, 3, 8) for m in (0, 2) for p in (0, 40) for w in (0, 1)]
+    log.write_text("".join(json.dumps({
+        "step": i, "finished_at": 0.0, "seconds": ms(*g) / 1000, "seqs": g[0], "adapters": 1,
+        "adapter_bytes": g[1] * MIB, "prefill_tokens": g[2], "loads": g[3],
+    }) + "\n" for i, g in enumerate(grid)))  # fmt: skip
+    argv = ["simulate", "--adapters", "20", "--replicas", "2", "--requests", "100",
+            "--routers", "lora-guard", "--step-log", str(log)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "step ms = 6.000 + 1.5000 x sequences + 0.5000 x adapter MiB + 0.1000 x prefill " \
+           "tokens + 12.000 x loads (over 24 steps of steps.jsonl" in out  # fmt: skip
+    assert "the step fitted to steps.jsonl" in out and "| 2 | lora-guard |" in out
+    log.write_text('{"step": 1}\n')
+    with pytest.raises(SystemExit, match=r"--step-log .*steps\.jsonl: "):
+        main(argv)
