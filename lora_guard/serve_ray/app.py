@@ -1,9 +1,9 @@
 """The Ray Serve application: an ingress that takes the HTTP routes and engine replicas behind it.
 
 ``Ingress`` reads the adapter a generation request names (TGI's ``parameters.adapter_id``,
-OpenAI's ``model``) and the tenant (``X-Tenant-Id``, else ``default``), and forwards the request
-to the engine deployment through its handle with ``multiplexed_model_id="tenant:adapter"``; the
-request router picks the replica. Each engine replica runs the lora-guard engine with its
+OpenAI's ``model``) and the tenant (``lora_guard.tenancy``: ``X-Tenant-Id``, else a gateway's
+fairness id, else ``default``), and forwards the request to the engine deployment through its
+handle with ``multiplexed_model_id="tenant:adapter"``; the request router picks the replica. Each engine replica runs the lora-guard engine with its
 policies and answers the request with lora-guard's own FastAPI application (``asgi.call_app``),
 streaming included. ``GET /metrics`` sums the replicas' metrics; the adapter administration
 routes that change an engine (load, unload, pin) are refused with 501, since they would reach
@@ -26,6 +26,7 @@ from ray.serve.handle import DeploymentHandle
 
 from lora_guard.serve_ray.asgi import Forwarded, Head, call_app
 from lora_guard.serve_ray.metrics import merge_metrics
+from lora_guard.tenancy import header_tenant
 
 if TYPE_CHECKING:
     from lora_guard.engine.llm_engine import StepRecord
@@ -130,7 +131,7 @@ class Ingress:
                        "would change one replica only; give every replica the same adapters at "
                        "start")  # fmt: skip
             return JSONResponse({"error": message, "error_type": "not_supported"}, 501)
-        model_id = await self._model_id(path, body, request.headers.get("x-tenant-id"))
+        model_id = await self._model_id(path, body, header_tenant(request.headers))
         handle = self.engine.options(stream=True, multiplexed_model_id=model_id or "")
         forwarded = Forwarded(request.method, path, request.url.query.encode(),
                               list(request.headers.items()), body)  # fmt: skip

@@ -19,6 +19,7 @@ from lora_guard.engine.llm_engine import RequestOutput
 from lora_guard.engine.sampling import InvalidParams, SamplingParams
 from lora_guard.server.errors import APIError, validation
 from lora_guard.server.state import ServerState, state_of
+from lora_guard.tenancy import header_tenant
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,18 +93,13 @@ def sse(run: Run, events: AsyncIterator[dict[str, Any]], *, openai: bool) -> Str
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
-# The header a gateway's endpoint picker (Gateway API Inference Extension) fairness is keyed by.
-FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
-
-
 def _tenant(request: Request) -> str:
     """The caller's tenant: its API key's when keys are configured (no header overrides a key),
     else X-Tenant-Id, else the gateway's fairness id, else ``default``."""
     key = getattr(request.state, "api_key", None)
     if key is not None:
         return str(key.tenant)
-    headers = request.headers
-    return headers.get("x-tenant-id") or headers.get(FAIRNESS_HEADER) or "default"
+    return header_tenant(request.headers) or "default"
 
 
 def _adapter(state: ServerState, name: str | None) -> str | None:
