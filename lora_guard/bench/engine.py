@@ -1,24 +1,28 @@
 """Engine speed on one machine, as ratios from one run.
 
     python -m lora_guard.bench.engine [--model DIR --adapter-dir DIR] [--batches 1,8,32]
+                                      [--repeats N]
 
 Prints, for batch sizes 1, 8 and 32: the engine's decode step time for the base model alone and for
 a batch mixing 8 adapters; the bytes floor of that mix (a step must read the base weights and, for
 a mixed batch, every adapter's weights once: (base bytes + adapter bytes) / base bytes); the same
 prompts through transformers + PEFT mixed-adapter ``generate``; and this machine's torch matmul
 peak. Defaults to the demo model (prepared if missing) with 8 adapters made for the run (ranks 8,
-16 and 32 on every projection, seeded), float32.
+16 and 32 on every projection, seeded), float32. With ``--repeats N`` the engine's and PEFT's runs
+take turns N times (a drift of the machine's speed reaches both), and each figure is the
+median of its runs, each run's ratios printed below the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +43,8 @@ class Row:
     peft_base_step_ms: float
     peft_mixed_step_ms: float
     peft_mixed_tokens_per_s: float
+    over_floor_runs: tuple[float, ...] = ()  # each run's mixed / floor (``--repeats``)
+    speedup_runs: tuple[float, ...] = ()  # each run's engine / PEFT tokens/s
 
     @property
     def mixed_over_base(self) -> float:
@@ -46,10 +52,14 @@ class Row:
 
     @property
     def over_floor(self) -> float:
+        if self.over_floor_runs:
+            return statistics.median(self.over_floor_runs)
         return self.mixed_over_base / self.bytes_floor
 
     @property
     def speedup_over_peft(self) -> float:
+        if self.speedup_runs:
+            return statistics.median(self.speedup_runs)
         return self.engine_mixed_tokens_per_s / self.peft_mixed_tokens_per_s
 
 
@@ -149,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora-compute", default="loop", choices=("loop", "batched"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip-peft", action="store_true", help="engine figures only")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each batch, the engine and PEFT in turn; medians printed, "
+                        "and the ratios' ranges")  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
 
@@ -168,65 +181,98 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
     names = [adapter_id for adapter_id, _ in scan_adapter_dir(args.adapter_dir)][: args.adapters]
     batches = [int(b) for b in args.batches.split(",")]
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    nan = (float("nan"),) * 3
+    runs: dict[int, list[Row]] = {b: [] for b in batches}
+    # The engine and PEFT in turn, each freed before the other is built (in one process, one
+    # slows the other down): a drift of the machine's speed reaches both.
+    for _ in range(args.repeats):
+        engine = _engine_figures(args, names, batches, tokenizer)
+        peft = {} if args.skip_peft else _peft_figures(args, names, batches, tokenizer)
+        for b in batches:
+            runs[b].append(Row(b, *engine[b], *peft.get(b, nan)))
+    rows = [_median_row(runs[b]) for b in batches]
     device = torch.device(args.device)
+    peak = matmul_peak_gflops(getattr(torch, args.dtype), device)
+    _print(rows, peak, args, names)
+    if args.json:
+        args.json.write_text(json.dumps({
+            "device": str(device), "dtype": args.dtype, "matmul_peak_gflops": peak,
+            "adapters": names, "new_tokens": args.new_tokens, "repeats": args.repeats,
+            "rows": [asdict(r) | {"mixed_over_base": r.mixed_over_base, "over_floor": r.over_floor,
+                                  "speedup_over_peft": r.speedup_over_peft} for r in rows],
+        }, indent=2) + "\n")  # fmt: skip
+    return 0
 
+
+def _engine_figures(
+    args: argparse.Namespace, names: list[str], batches: list[int], tokenizer: Any
+) -> dict[int, tuple[float, float, float, float]]:
+    """Per batch: the bytes floor, the engine's base and mixed step ms, its mixed tokens/s."""
     llm = LLM(args.model, adapters={n: args.adapter_dir / n for n in names},
-              max_loras=len(names), cache_memory="1GiB", dtype=args.dtype, device=device,
+              max_loras=len(names), cache_memory="1GiB", dtype=args.dtype, device=args.device,
               max_num_seqs=max(batches), lora_compute=args.lora_compute)  # fmt: skip
-    tokenizer = llm.tokenizer
     engine = llm.engine
     base_bytes = engine.model.weight_bytes()
     adapter_bytes = {
         n: engine.pool.layout(read_adapter(n, args.adapter_dir / n, engine.model.spec, 64)).nbytes
         for n in names
     }
-    engine_runs: dict[int, tuple[float, float, float, float]] = {}
     # Warm-up: every adapter read and resident before anything is timed.
     llm.generate(_prompts(tokenizer, len(names)), SamplingParams(max_new_tokens=4), list(names))
+    figures = {}
     for batch in batches:
         prompts = _prompts(tokenizer, batch)
         mixed = [names[i % len(names)] for i in range(batch)]
         base_ms, _ = engine_run(llm, prompts, [None] * batch, args.new_tokens)
         mixed_ms, mixed_tps = engine_run(llm, prompts, list(mixed), args.new_tokens)
         floor = (base_bytes + sum(adapter_bytes[n] for n in set(mixed))) / base_bytes
-        engine_runs[batch] = (floor, base_ms, mixed_ms, mixed_tps)
-    llm.engine.shutdown()
-    del llm
+        figures[batch] = (floor, base_ms, mixed_ms, mixed_tps)
+    engine.shutdown()
+    del llm, engine
+    gc.collect()
+    return figures
 
-    peft_runs: dict[int, tuple[float, float, float]] = {}
-    if not args.skip_peft:
-        from peft import PeftModel
-        from transformers import AutoModelForCausalLM
 
-        dtype = getattr(torch, args.dtype)
-        base = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
-        model = PeftModel.from_pretrained(
-            base, str(args.adapter_dir / names[0]), adapter_name=names[0]
-        )
-        for name in names[1:]:
-            model.load_adapter(str(args.adapter_dir / name), adapter_name=name)
-        model.eval()
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        for batch in batches:
-            prompts = _prompts(tokenizer, batch)
-            mixed = [names[i % len(names)] for i in range(batch)]
-            base_ms, _ = peft_run(model, prompts, ["__base__"] * batch, args.new_tokens, pad)
-            mixed_ms, mixed_tps = peft_run(model, prompts, mixed, args.new_tokens, pad)
-            peft_runs[batch] = (base_ms, mixed_ms, mixed_tps)
+def _peft_figures(
+    args: argparse.Namespace, names: list[str], batches: list[int], tokenizer: Any
+) -> dict[int, tuple[float, float, float]]:
+    """Per batch: transformers + PEFT's base and mixed step ms, its mixed tokens/s."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
 
-    rows = [Row(b, *engine_runs[b], *(peft_runs.get(b) or (float("nan"),) * 3)) for b in batches]
-    peak = matmul_peak_gflops(getattr(torch, args.dtype), device)
-    _print(rows, peak, args, names)
-    if args.json:
-        args.json.write_text(json.dumps({
-            "device": str(device), "dtype": args.dtype, "matmul_peak_gflops": peak,
-            "adapters": names, "new_tokens": args.new_tokens,
-            "rows": [asdict(r) | {"mixed_over_base": r.mixed_over_base, "over_floor": r.over_floor,
-                                  "speedup_over_peft": r.speedup_over_peft} for r in rows],
-        }, indent=2) + "\n")  # fmt: skip
-    return 0
+    base = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    model = PeftModel.from_pretrained(
+        base.to(args.device), str(args.adapter_dir / names[0]), adapter_name=names[0]
+    )
+    for name in names[1:]:
+        model.load_adapter(str(args.adapter_dir / name), adapter_name=name)
+    model.eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    figures = {}
+    for batch in batches:
+        prompts = _prompts(tokenizer, batch)
+        mixed = [names[i % len(names)] for i in range(batch)]
+        base_ms, _ = peft_run(model, prompts, ["__base__"] * batch, args.new_tokens, pad)
+        figures[batch] = (base_ms, *peft_run(model, prompts, mixed, args.new_tokens, pad))
+    del model, base
+    gc.collect()
+    return figures
+
+
+def _median_row(runs: list[Row]) -> Row:
+    """Each figure the median of its runs; the two ratios the medians of each run's ratio,
+    with their ranges."""
+    ratios = ("over_floor_runs", "speedup_runs")
+    median = Row(**{f.name: statistics.median(getattr(r, f.name) for r in runs)
+                    for f in fields(Row) if f.name not in ratios})  # fmt: skip
+    median.over_floor_runs = tuple(r.over_floor for r in runs)
+    median.speedup_runs = tuple(r.speedup_over_peft for r in runs)
+    return median
 
 
 def _print(rows: list[Row], peak: float, args: argparse.Namespace, names: list[str]) -> None:
@@ -245,6 +291,15 @@ def _print(rows: list[Row], peak: float, args: argparse.Namespace, names: list[s
               f"| {r.peft_mixed_step_ms:.1f} "
               f"| {r.engine_mixed_tokens_per_s:.1f} | {r.peft_mixed_tokens_per_s:.1f} "
               f"| {r.speedup_over_peft:.2f}x |")  # fmt: skip
+    if args.repeats > 1:
+        print(f"\nmedians of {args.repeats} runs; each run's ratios:")
+        for r in rows:
+            print(f"batch {r.batch}: mixed / floor {_ratios(r.over_floor_runs)}; engine / PEFT "
+                  f"tok/s {_ratios(r.speedup_runs)}")  # fmt: skip
+
+
+def _ratios(values: tuple[float, ...]) -> str:
+    return ", ".join(f"{v:.2f}x" for v in values)
 
 
 if __name__ == "__main__":

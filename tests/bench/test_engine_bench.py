@@ -1,0 +1,32 @@
+"""``python -m lora_guard.bench.engine`` on the tiny model: the engine and PEFT in turn."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lora_guard.bench.engine import main
+from lora_guard.testing import AdapterFactory
+
+
+def test_the_engine_bench_runs_the_engine_and_peft_in_turn_and_prints_each_runs_ratios(
+    tiny_model: Path, tiny_adapters: AdapterFactory, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    adapters = tiny_adapters(2, "speed", ranks=(4, 8), all_projections=True)
+    out = tmp_path / "speed.json"
+    argv = ["--model", str(tiny_model), "--adapter-dir", str(next(iter(adapters.values())).parent),
+            "--adapters", "2", "--batches", "1,4", "--new-tokens", "4", "--repeats", "2",
+            "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "medians of 2 runs; each run's ratios:" in printed
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 4]
+    for row in rows:
+        assert row["bytes_floor"] > 1 and len(row["speedup_runs"]) == 2
+        assert row["engine_mixed_tokens_per_s"] > 0 and row["peft_mixed_tokens_per_s"] > 0
+        assert row["speedup_over_peft"] == pytest.approx(sum(row["speedup_runs"]) / 2)
+        assert f"batch {row['batch']}: mixed / floor" in printed
