@@ -1,13 +1,13 @@
 """The Ray Serve application: an ingress that takes the HTTP routes and engine replicas behind it.
 
-``Ingress`` reads the adapter a generation request names (TGI's ``parameters.adapter_id``,
-OpenAI's ``model``) and the tenant (``lora_guard.tenancy``: ``X-Tenant-Id``, else a gateway's
-fairness id, else ``default``), and forwards the request to the engine deployment through its
-handle with ``multiplexed_model_id="tenant:adapter"``; the request router picks the replica. Each engine replica runs the lora-guard engine with its
-policies and answers the request with lora-guard's own FastAPI application (``asgi.call_app``),
-streaming included. ``GET /metrics`` sums the replicas' metrics; the adapter administration
-routes that change an engine (load, unload, pin) are refused with 501, since they would reach
-one replica only.
+``Ingress`` reads the adapter a generation request names (TGI's ``parameters.adapter_id``, OpenAI's
+``model``) and the tenant (``lora_guard.tenancy``: ``X-Tenant-Id``, else a gateway's fairness id,
+else ``default``), and forwards the request to the engine deployment through its handle with
+``multiplexed_model_id="tenant:adapter"``; the request router picks the replica. Each engine
+replica runs the lora-guard engine with its policies and answers the request with lora-guard's own
+FastAPI application (``asgi.call_app``), streaming included. ``GET /metrics`` sums the replicas'
+metrics; the adapter administration routes that change an engine (load, unload, pin) are refused
+with 501, since they would reach one replica only.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the route's annotations at runtime.
