@@ -16,7 +16,7 @@ from typing import Any
 
 from lora_guard.bench.workload import TraceRequest
 from lora_guard.engine import LLM, SamplingParams
-from lora_guard.engine.llm_engine import LLMEngine, RequestError
+from lora_guard.engine.llm_engine import LLMEngine, RequestError, StepRecord
 from lora_guard.engine.lora.registry import scan_adapter_dir
 from lora_guard.plugins import hookimpl
 from lora_guard.plugins.state import RequestView
@@ -64,6 +64,7 @@ class SchemeRun:
     duration_s: float
     served: list[str | None]  # adapter of each request as served, in arrival order
     binds: list[Bind] = field(default_factory=list)  # in the order the needs began
+    steps: list[StepRecord] = field(default_factory=list)  # the engine's, during the replay
     start_resident: tuple[str, ...] = ()  # adapters in the pool when the replay began
 
 
@@ -155,6 +156,7 @@ def replay_scheme(
         (merged.adapter_id,) if merged is not None
         else tuple(e.adapter_id for e in engine.adapters.residents() if not e.stale)
     )  # fmt: skip
+    steps_before = engine.stats.steps
     start = time.monotonic()
     recorder = BindRecorder(start, engine.adapters.merged_mode)
     engine.hooks.pm.register(recorder, name="bench-lookups")
@@ -180,6 +182,7 @@ def replay_scheme(
         served=[r.adapter_id for r in trace],
         binds=recorder.ordered_binds(),
         start_resident=start_resident,
+        steps=[s for s in engine.stats.recent_steps if s.step > steps_before],
     )
     engine.shutdown()
     return run

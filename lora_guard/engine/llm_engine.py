@@ -209,7 +209,11 @@ class LLMEngine:
         )  # fmt: skip
         self.stats.recent_steps.append(record)
         if self.step_log is not None:
-            self.step_log.write(json.dumps(asdict(record)) + "\n")
+            try:
+                self.step_log.write(json.dumps(asdict(record)) + "\n")
+            except OSError as exc:  # a full disk stops the log, never the engine
+                log.warning("step log %s stopped: %s", self.config.step_log, exc)
+                self.step_log = None
         return outputs
 
     def _after_token(self, seq: Sequence, token: int) -> RequestOutput:

@@ -45,6 +45,18 @@ def test_an_unwritable_step_log_is_refused_at_start(tiny_model: Path, tmp_path: 
         LLM(tiny_model, step_log=str(tmp_path / "no-such-folder" / "steps.jsonl"))
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a full disk)")
+def test_a_step_log_that_cannot_be_written_stops_and_the_engine_goes_on(
+    tiny_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    llm = LLM(tiny_model, step_log="/dev/full")
+    outs = llm.generate(["a full disk"], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert len(outs[0].token_ids) == 3 and outs[0].error is None
+    assert llm.engine.step_log is None and "step log /dev/full stopped" in caplog.text
+    assert len(llm.engine.stats.recent_steps) == llm.engine.stats.steps
+    llm.engine.shutdown()
+
+
 def test_the_step_cost_fitted_to_steps_is_their_line() -> None:
     def ms(seqs: int, mib: float, prefill: int, loads: int) -> float:
         return 5.0 + 0.5 * seqs + 2.0 * mib + 0.25 * prefill + 9.0 * loads
