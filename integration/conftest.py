@@ -10,7 +10,13 @@ import httpx
 import pytest
 
 from lora_guard.adapter_maker import make_adapters
-from lora_guard.testing import ServerProcess, engine_greedy, make_tiny_llama, start_server
+from lora_guard.testing import (
+    ServerProcess,
+    engine_greedy,
+    free_port,
+    make_tiny_llama,
+    start_server,
+)
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +36,20 @@ def server(
     running = start_server(model, adapters, "--cold-loads-per-minute", "100", log=log)
     yield running
     assert running.stop() == 0, log.read_text()
+
+
+@pytest.fixture(scope="module")
+def ray_port() -> Iterator[int]:
+    """A local Ray of two CPUs (no dashboard) for the module's Ray Serve fleets, and a free port
+    for their HTTP proxy; Serve and Ray shut down after the module."""
+    ray = pytest.importorskip("ray", reason="needs lora-guard[ray]")
+    serve = pytest.importorskip("ray.serve")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield free_port()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def fault_plugin_env(hold_file: Path) -> dict[str, str]:

@@ -27,7 +27,7 @@ from lora_guard.bench.oracle import OracleRequest, oracle_tokens
 from lora_guard.bench.replay import EngineOptions
 from lora_guard.bench.stats import percentile
 from lora_guard.bench.workload import TraceRequest, WorkloadSpec, make_trace
-from lora_guard.testing import closed_loop, free_port
+from lora_guard.testing import closed_loop
 
 ray = pytest.importorskip("ray", reason="needs lora-guard[ray]")
 serve = pytest.importorskip("ray.serve")
@@ -75,16 +75,6 @@ def fleet_files(
     return model, adapters
 
 
-@pytest.fixture(scope="module")
-def port() -> Iterator[int]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield free_port()
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
 def deploy(
     files: tuple[Path, Path], port: int, router: str, route_prefix: str = "/",
     replicas: int = REPLICAS, *more: str,
@@ -100,9 +90,9 @@ def deploy(
 
 
 @pytest.fixture(scope="module")
-def fleet(fleet_files: tuple[Path, Path], port: int) -> Iterator[Fleet]:
+def fleet(fleet_files: tuple[Path, Path], ray_port: int) -> Iterator[Fleet]:
     """The adapter-affinity router's deployment (deleted at the end of the module)."""
-    running = deploy(fleet_files, port, "lora-guard")
+    running = deploy(fleet_files, ray_port, "lora-guard")
     yield running
     serve.delete(running.app_name)
 
@@ -205,7 +195,7 @@ def figures(
 def test_a_skewed_trace_from_four_clients_is_correct_and_loads_near_the_offline_best(
     fleet: Fleet,
     fleet_files: tuple[Path, Path],
-    port: int,
+    ray_port: int,
     trace: list[TraceRequest],
     oracle: dict[str, list[int]],
 ) -> None:
@@ -219,7 +209,7 @@ def test_a_skewed_trace_from_four_clients_is_correct_and_loads_near_the_offline_
     assert wrong(answers, oracle) == []
 
     # Ray Serve's default router on a fresh deployment of its own, beside ours (idle now).
-    ray_default, default_answers = fresh_run(fleet_files, port, "ray-default", trace)
+    ray_default, default_answers = fresh_run(fleet_files, ray_port, "ray-default", trace)
     print(figures(trace, ours, ray_default, best, answers, default_answers, started))
     assert wrong(default_answers, oracle) == []  # both routers serve correct answers
     assert best <= ours <= ROUTER_BOUND * best
@@ -298,12 +288,12 @@ def test_bench_target_replays_against_the_fleet(fleet: Fleet, tmp_path: Path) ->
 
 
 def test_with_api_keys_the_fleet_checks_them_and_its_metrics_need_an_admin_key(
-    fleet_files: tuple[Path, Path], port: int, tmp_path: Path
+    fleet_files: tuple[Path, Path], ray_port: int, tmp_path: Path
 ) -> None:
     keys = tmp_path / "keys.toml"
     keys.write_text('[keys.app]\nkey = "app-secret-key"\ntenant = "acme"\n'
                     '[keys.ops]\nkey = "ops-secret-key"\nadmin = true\n')  # fmt: skip
-    keyed = deploy(fleet_files, port, "lora-guard", "/keyed", 1, "--api-key-file", str(keys))
+    keyed = deploy(fleet_files, ray_port, "lora-guard", "/keyed", 1, "--api-key-file", str(keys))
     try:
         body = {"inputs": "hello", "parameters": {"max_new_tokens": 2, "adapter_id": "f-00"}}
         assert httpx.post(keyed.url + "/generate", json=body, timeout=60).status_code == 401
@@ -319,14 +309,14 @@ def test_with_api_keys_the_fleet_checks_them_and_its_metrics_need_an_admin_key(
 
 
 def test_with_more_adapters_than_seats_every_answer_is_right_and_loads_stay_bounded(
-    fleet_files: tuple[Path, Path], port: int
+    fleet_files: tuple[Path, Path], ray_port: int
 ) -> None:
     trace = trace_of(MORE, fleet_files[1])
     oracle = oracle_of(fleet_files, trace)
     started = time.perf_counter()
     best = offline_best_loads([r.adapter_id for r in trace], REPLICAS, SEATS)
-    ours, answers = fresh_run(fleet_files, port, "lora-guard", trace, "-more")
-    ray_default, default_answers = fresh_run(fleet_files, port, "ray-default", trace, "-more")
+    ours, answers = fresh_run(fleet_files, ray_port, "lora-guard", trace, "-more")
+    ray_default, default_answers = fresh_run(fleet_files, ray_port, "ray-default", trace, "-more")
     print(figures(trace, ours, ray_default, best, answers, default_answers, started))
     assert wrong(answers, oracle) == [] and wrong(default_answers, oracle) == []
     assert ours <= MORE_BOUND * best

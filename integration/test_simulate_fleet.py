@@ -12,19 +12,18 @@ response, not a token stream) so that the fleet's own work per token is not in t
 engine's steps.
 
 Measured on the fleet: adapter loads (the replicas' own count, ``routing_stats()["loads"]``) and
-the latency p95 of the requests as the clients see it (from sending a request to having its
-whole answer). Simulated: the same trace (its prompts' lengths in the model's tokens, each
-request's output length as the fleet answered it) on 2 replicas of 3 seats behind the
-``lora-guard`` router, set as the fleet is (its spread queue, queue cap, stats period and Ray
-Serve's controller ticks). The step cost is fitted to the fleet's own steps during the trace
-(the replicas' ``--step-log``, a load's write as a fifth term), as one calibrates the simulator
-to a running fleet: on a machine of two cores the replicas' steps share it with the proxy, the
-ingress, Ray's controller and the clients (about 50 ms of CPU a request), which an engine
-calibrated alone does not see (its steps came out 30 to 40% shorter than the fleet's). The reads
-from disk are calibrated in a Ray worker with the replicas' settings. The fleet's time outside
-the engine (HTTP, the proxy, the ingress, Ray's handle) is measured too: one-token base-model
-requests through the idle fleet from two clients (one on each replica), less the engine's one
-step for each.
+the latency p95 of the requests as the clients see it (from sending a request to having its whole
+answer). Simulated: the same trace (its prompts' lengths in the model's tokens, each request's
+output length as the fleet answered it) on 2 replicas of 3 seats behind the ``lora-guard`` router,
+set as the fleet is (its spread queue, queue cap, stats period and Ray Serve's controller ticks).
+The step cost is fitted to the fleet's own steps during the trace (the replicas' ``--step-log``, a
+load's write as a fifth term), as one calibrates the simulator to a running fleet: on a machine of
+two cores the replicas' steps share it with the proxy, the ingress, Ray's controller and the
+clients (about 50 ms of CPU a request), which an engine calibrated alone does not see (a step of 2
+sequences over 2 adapters 13 to 37% shorter than the fleet's in three runs). The reads from disk
+are calibrated in a Ray worker with the replicas' settings. The fleet's time outside the engine
+(HTTP, the proxy, the ingress, Ray's handle) is measured too: one-token base-model requests through
+the idle fleet from two clients (one on each replica), less the engine's one step for each.
 
 Loads and the latency p95 must agree within 15%. A real-time replay on a shared CPU can be
 slowed by another process at any moment, so the test makes up to 3 runs, each on a fresh fleet,
@@ -36,7 +35,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,7 +54,7 @@ from lora_guard.simulate_costs import (
     read_step_log,
     with_step_fit,
 )
-from lora_guard.testing import closed_loop, free_port, make_tiny_llama
+from lora_guard.testing import closed_loop, make_tiny_llama
 
 ray = pytest.importorskip("ray", reason="needs lora-guard[ray]")
 serve = pytest.importorskip("ray.serve")
@@ -97,16 +95,6 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     make_adapters(model, root / "adapters", n=SPEC.adapters, ranks=(4, 8), strength=0.5,
                   prefix="s")  # fmt: skip
     return model, root / "adapters"
-
-
-@pytest.fixture(scope="module")
-def port() -> Iterator[int]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield free_port()
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def replica_argv(files: tuple[Path, Path], port: int) -> list[str]:
@@ -269,13 +257,13 @@ def run_once(files: tuple[Path, Path], port: int, trace: list[TraceRequest], tag
 
 
 def test_the_calibrated_simulator_agrees_with_a_real_two_replica_fleet(
-    files: tuple[Path, Path], port: int
+    files: tuple[Path, Path], ray_port: int
 ) -> None:
     trace = make_trace(SPEC, sorted(p.name for p in files[1].iterdir() if p.is_dir()))
     misses = []
     for attempt in range(ATTEMPTS):
         started = time.perf_counter()
-        run = run_once(files, port, trace, str(attempt))
+        run = run_once(files, ray_port, trace, str(attempt))
         print(f"{run.figures()} ({time.perf_counter() - started:.0f} s)")
         if run.agrees():
             return
