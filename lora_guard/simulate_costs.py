@@ -284,13 +284,6 @@ def calibrate_serve(
         llm.engine.shutdown()
 
 
-def mean_costs(costs: Sequence[Costs]) -> Costs:
-    """Each cost averaged over ``costs``."""
-    return Costs(**{f.name: statistics.mean(getattr(c, f.name) for c in costs)
-                    for f in fields(Costs) if f.name != "source"},
-                 source=f"the mean of {len(costs)} calibrations")  # fmt: skip
-
-
 def write_costs(calibration: Calibration, path: Path, about: dict[str, Any]) -> None:
     costs = {f.name: getattr(calibration.costs, f.name) for f in fields(Costs)
              if f.name != "source"}  # fmt: skip
