@@ -300,14 +300,17 @@ def engine_greedy(
 
 class SoloGreedy:
     """Greedy tokens of one request run alone (no other request in its steps, no prefix cache),
-    memoised: what a request must get whatever shares its batch. Call ``close`` when done."""
+    memoised: what a request must get whatever shares its batch. Computed with the per-segment
+    loop, so an engine on the kernel is checked against the other computation too. Call
+    ``close`` when done."""
 
     def __init__(self, model: Path, adapters: dict[str, Path]) -> None:
         from lora_guard import LLM
 
         table: dict[str, str | Path] = dict(adapters)
         self.llm = LLM(model, adapters=table, kv_cache_memory="4MiB", policies="lru",
-                       enable_prefix_caching=False, device="cpu", dtype="float32")  # fmt: skip
+                       enable_prefix_caching=False, device="cpu", dtype="float32",
+                       lora_compute="loop")  # fmt: skip
         self.memo: dict[tuple[tuple[int, ...], str | None, int], list[int]] = {}
 
     def __call__(self, prompt: list[int], adapter: str | None, n: int) -> list[int]:

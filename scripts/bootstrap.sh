@@ -40,4 +40,8 @@ fi
 echo "bootstrap: installing lora-guard[$EXTRAS]"
 "${pip[@]}" -e ".[$EXTRAS]"
 "$VENV/bin/python" -c "import torch, lora_guard; print('bootstrap: torch', torch.__version__, '| lora-guard', lora_guard.__version__)"
+# The compiled LoRA kernel, built now rather than at the engine's first start; without a C++
+# compiler the engine computes per segment instead, so a failure here stops nothing.
+"$VENV/bin/python" -c "import sys; from lora_guard.engine.lora import kernel; sys.exit(kernel.main())" ||
+    echo "bootstrap: the LoRA kernel was not built; the engine will compute per segment"
 printf '%s' "$stamp" >"$stamp_file"

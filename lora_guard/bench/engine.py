@@ -30,6 +30,7 @@ import torch
 
 from lora_guard.engine import LLM, SamplingParams
 from lora_guard.engine.lora import read_adapter
+from lora_guard.engine.lora.compute import MODES
 from lora_guard.engine.lora.registry import scan_adapter_dir
 
 
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adapters", type=int, default=8, help="adapters mixed in a batch")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--lora-compute", default="loop", choices=("loop", "batched"))
+    parser.add_argument("--lora-compute", default="auto", choices=MODES)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip-peft", action="store_true", help="engine figures only")
     parser.add_argument("--repeats", type=int, default=1,

@@ -12,6 +12,7 @@ from lora_guard.engine.config import ConfigError, EngineConfig
 from lora_guard.engine.kv_cache import BlockManager
 from lora_guard.engine.llm_engine import LLMEngine
 from lora_guard.engine.lora.checkpoint import read_adapter
+from lora_guard.engine.lora.compute import resolve_mode
 from lora_guard.engine.lora.loader import AdapterLoader, HostCache
 from lora_guard.engine.lora.pool import CachePool
 from lora_guard.engine.lora.registry import AdapterRegistry
@@ -77,8 +78,12 @@ def engine_from_config(
             f"{page_bytes} bytes; at least {MIN_KV_BLOCKS} are needed"
         )
     pool = CachePool(spec, num_pages, config.block_size, config.torch_dtype, config.torch_device)
+    try:
+        lora_compute = resolve_mode(config.lora_compute, config.torch_dtype, config.torch_device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     runner = ModelRunner(
-        model, pool, config.lora_compute, merge_for_good=config.static_adapter is not None
+        model, pool, lora_compute, merge_for_good=config.static_adapter is not None
     )
     blocks = BlockManager(num_pages, config.block_size, config.enable_prefix_caching)
     merged = config.lora_mode == "merged"

@@ -237,9 +237,11 @@ class EngineConfig:
                                         "the pool at least this long after its load: adapters "
                                         "take turns at step boundaries instead of thrashing",
                                         check=at_least(0), metavar="MS")  # fmt: skip
-    lora_compute: str = setting("loop", help="how a step computes the LoRA updates: loop (per "
-                                "adapter segment) or batched (one gathered batched matmul per "
-                                "projection)", check=one_of("loop", "batched"),
+    lora_compute: str = setting("auto", help="how a step computes the LoRA updates: kernel (the "
+                                "compiled kernel, one call per projection; float32 on the "
+                                "CPU), loop (per adapter segment), batched (one gathered "
+                                "batched matmul per projection), auto (kernel where it builds, "
+                                "else loop)", check=one_of("auto", "kernel", "loop", "batched"),
                                 metavar="MODE")  # fmt: skip
     block_size: int = setting(16, help="tokens per KV block (a power of two)", check=power_of_two,
                               metavar="N")  # fmt: skip

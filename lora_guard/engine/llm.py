@@ -52,7 +52,7 @@ class LLM:
         cache_memory: int | str | None = None,
         kv_cache_memory: int | str | None = None,
         residency_quantum_ms: int = 1000,
-        lora_compute: str = "loop",
+        lora_compute: str = "auto",
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         max_batch_tokens: int = 2048,

@@ -86,7 +86,8 @@ class ModelRunner:
                 if segments and segments[-1].layers is item.adapter.layers:
                     segments[-1].end = start + n
                 else:
-                    segments.append(LoraSegment(start, start + n, item.adapter.layers))
+                    where = item.adapter.plan if self.lora_mode == "kernel" else None
+                    segments.append(LoraSegment(start, start + n, item.adapter.layers, where))
             if ctx == len(seq.token_ids):
                 logits_rows.append(start + n - 1)
                 sampled.append(seq)
@@ -104,7 +105,7 @@ class ModelRunner:
             torch.tensor(positions, device=self.device),
             attn,
             (self.kv_cache.k, self.kv_cache.v),
-            LoraBatch(segments, self.lora_mode) if segments else None,
+            LoraBatch(segments, self.lora_mode, self.pool.arena) if segments else None,
             torch.tensor(logits_rows, device=self.device, dtype=torch.long),
         )
         return logits, sampled

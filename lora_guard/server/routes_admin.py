@@ -16,6 +16,7 @@ from lora_guard.engine.errors import UnknownAdapterError
 from lora_guard.engine.llm_engine import LLMEngine
 from lora_guard.engine.lora import AdapterError, read_adapter
 from lora_guard.engine.lora.registry import valid_adapter_id
+from lora_guard.engine.threads import serially
 from lora_guard.server.auth import require_admin
 from lora_guard.server.errors import APIError, not_found, validation
 from lora_guard.server.state import ServerState
@@ -113,7 +114,7 @@ async def load_lora_adapter(body: LoadAdapter, request: Request) -> PlainTextRes
     folder, root = _inside_adapter_dirs(state, name, body.lora_path)
     spec, max_rank = state.llm.model.spec, state.llm.config.max_lora_rank
     try:  # refuse it now rather than at its first request
-        await asyncio.to_thread(read_adapter, name, folder, spec, max_rank, root)
+        await asyncio.to_thread(serially, read_adapter, name, folder, spec, max_rank, root)
     except AdapterError as exc:
         raise validation(str(exc)) from None
     await state.engine.call(lambda engine: engine.adapters.register(name, folder, root))

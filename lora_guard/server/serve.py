@@ -62,8 +62,12 @@ def engine_for(settings: Any) -> tuple[LLMEngine, KeyRing | None, list[Path]]:
     from lora_guard.engine.config import ConfigError
     from lora_guard.engine.lora import AdapterError
     from lora_guard.engine.model import ModelLoadError
+    from lora_guard.engine.threads import serial_thread
     from lora_guard.plugins import PluginError
 
+    # The engine steps on its own thread (AsyncEngine); this one, which builds it, stays serial so
+    # that the step loop's is the process's only OpenMP team.
+    serial_thread()
     keys = None
     if settings.api_key_file is not None:
         from lora_guard.server.auth import KeyFileError

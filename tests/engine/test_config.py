@@ -42,7 +42,7 @@ def test_each_field_is_checked_as_its_flag_is() -> None:
     assert config.torch_dtype is torch.bfloat16 and config.lora_compute == "batched"
     with pytest.raises(ConfigError, match="max_loras: must be at least 0"):
         EngineConfig(model="m", max_loras=-1, device="cpu")
-    with pytest.raises(ConfigError, match="lora_compute: expected one of loop, batched"):
+    with pytest.raises(ConfigError, match="lora_compute: expected one of auto, kernel, loop, bat"):
         EngineConfig(model="m", lora_compute="fused", device="cpu")
     with pytest.raises(ConfigError, match="max_batch_tokens must be at least block_size"):
         EngineConfig(model="m", block_size=32, max_batch_tokens=16, device="cpu")

@@ -5,12 +5,16 @@ of the flat batch. Two ways compute the same thing:
 
 - ``loop``: per segment, one shrink over the fused projection's stacked ``A`` and one expand per
   sub-module, straight from the adapter's pages (no copy).
+- ``kernel``: per projection, one call of the compiled kernel (``sgmv.cpp``) that runs the same
+  shrink and expands for every segment straight from the pool's pages: the loop's BLAS calls
+  without a Python dispatch each. It needs float32 weights in the pool; ``auto`` (the default)
+  takes it where it builds and loads, else ``loop``.
 - ``batched``: per projection, one shrink and one expand over all segments at once (torch's
   batched matmul over segments padded to the longest and ranks padded to the largest), gathering
-  the adapters' matrices into one stack first: SGMV done with torch operations.
+  the adapters' matrices into one stack first: SGMV done with torch operations, slower on the CPU
+  (the gather costs more than it saves).
 
-``loop`` is the default on CPU, where the gather costs as much as it saves (see
-docs/engine.md); the two are checked against each other in the tests.
+All are checked against each other in the tests.
 """
 
 from __future__ import annotations
@@ -19,9 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
+from lora_guard.engine.lora import kernel
 from lora_guard.engine.lora.pool import LayerWeights
+from lora_guard.engine.model import FUSED_PROJECTIONS
 
-MODES = ("loop", "batched")
+MODES = ("auto", "kernel", "loop", "batched")
+PROJECTIONS = tuple(FUSED_PROJECTIONS)
+MAX_PARTS = max(len(modules) for modules in FUSED_PROJECTIONS.values())
+_PLAN_WIDTH = 2 + 5 * MAX_PARTS  # a_offset, rows, then row0, row1, out0, out1, bt_offset a part
 
 
 @dataclass(slots=True)
@@ -31,15 +40,51 @@ class LoraSegment:
     start: int
     end: int
     layers: list[LayerWeights]
+    plan: torch.Tensor | None = None  # ``kernel_plan(layers)``, for the kernel
+
+
+def kernel_plan(layers: list[LayerWeights]) -> torch.Tensor:
+    """Where an adapter's matrices sit in the storage its views share, as the kernel reads them:
+    int64 [layers, projections, 2 + 5 * parts] of element offsets and shapes (rows 0: the adapter
+    has no weights for that projection)."""
+    plan = torch.zeros(len(layers), len(PROJECTIONS), _PLAN_WIDTH, dtype=torch.long)
+    for layer, weights in enumerate(layers):
+        for index, projection in enumerate(PROJECTIONS):
+            w = weights.get(projection)
+            if w is None:
+                continue
+            row = [w.a.storage_offset(), w.a.shape[0]]
+            for part in w.parts:
+                row += [part.row0, part.row1, part.out0, part.out1, part.bt.storage_offset()]
+            plan[layer, index, : len(row)] = torch.tensor(row)
+    return plan
+
+
+def resolve_mode(mode: str, dtype: torch.dtype, device: torch.device) -> str:
+    """The computation a step uses: ``auto`` is ``kernel`` where the kernel applies and loads,
+    else ``loop``; an explicit ``kernel`` that cannot run is an error."""
+    applies = dtype == torch.float32 and device.type == "cpu"
+    if mode == "kernel":
+        if not applies:
+            raise ValueError("lora_compute=kernel computes in float32 on the CPU")
+        if not kernel.load():
+            raise ValueError(f"lora_compute=kernel: the kernel cannot be built: {kernel.error()}")
+    if mode == "auto":
+        return "kernel" if applies and kernel.load() else "loop"
+    return mode
 
 
 class LoraBatch:
     """A step's adapter segments; the model calls :meth:`apply` after each base projection."""
 
-    def __init__(self, segments: list[LoraSegment], mode: str = "loop") -> None:
-        if mode not in MODES:
-            raise ValueError(f"lora compute mode must be one of {', '.join(MODES)}")
-        self.segments, self.mode = segments, mode
+    def __init__(
+        self, segments: list[LoraSegment], mode: str = "loop", pool: torch.Tensor | None = None
+    ) -> None:
+        if mode not in MODES[1:]:
+            raise ValueError(f"lora compute mode must be one of {', '.join(MODES[1:])}")
+        self.segments, self.mode, self.pool = segments, mode, pool
+        if mode == "kernel":
+            self._plan = _step_plan(segments)
         # The flat batch cut once per projection into runs (one ``split``, not a slice per
         # segment): the segments' runs, and the tokens of no adapter between them.
         self._runs: list[int] = []
@@ -54,6 +99,10 @@ class LoraBatch:
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, layer: int, projection: str) -> None:
         """Add the LoRA update of ``projection`` in ``layer`` to ``y`` in place."""
+        if self.mode == "kernel":
+            assert self.pool is not None
+            kernel.lora_apply(x, y, self.pool, self._plan[layer, PROJECTIONS.index(projection)])
+            return
         if self.mode == "batched":
             work = [(s, w) for s in self.segments if (w := s.layers[layer].get(projection))]
             if len(work) > 1:
@@ -67,6 +116,17 @@ class LoraBatch:
             shrunk, out = torch.mm(xs[run], weights.at), ys[run]
             for part in weights.parts:
                 out[:, part.out0 : part.out1].addmm_(shrunk[:, part.row0 : part.row1], part.bt)
+
+
+def _step_plan(segments: list[LoraSegment]) -> torch.Tensor:
+    """The kernel's plan of a step: int64 [layers, projections, segments, 4 + 5 * parts], each
+    segment's start and end before its adapter's plan."""
+    plans = [seg.plan if seg.plan is not None else kernel_plan(seg.layers) for seg in segments]
+    adapters = torch.stack(plans, dim=2)  # [layers, projections, segments, plan]
+    bounds = torch.tensor([[seg.start, seg.end] for seg in segments], dtype=torch.long)
+    layers, projections = adapters.shape[:2]
+    bounds = bounds.expand(layers, projections, len(segments), 2)
+    return torch.cat((bounds, adapters), dim=3).contiguous()
 
 
 def _batched(x: torch.Tensor, y: torch.Tensor, work: list) -> None:  # type: ignore[type-arg]

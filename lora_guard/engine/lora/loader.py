@@ -9,6 +9,7 @@ from pathlib import Path
 
 from lora_guard.engine.lora.checkpoint import AdapterError, LoRAAdapter, read_adapter
 from lora_guard.engine.model import ModelSpec
+from lora_guard.engine.threads import serial_thread
 
 
 class AdapterLoader:
@@ -16,7 +17,9 @@ class AdapterLoader:
 
     def __init__(self, spec: ModelSpec, max_rank: int) -> None:
         self.spec, self.max_rank = spec, max_rank
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-guard-loader")
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="lora-guard-loader", initializer=serial_thread
+        )
         self.pending: dict[str, Future[LoRAAdapter]] = {}
         self.read_ms: dict[str, float] = {}  # how long each finished read took, queue excluded
 

@@ -26,8 +26,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from lora_guard.engine.kv_cache import BlockManager
 from lora_guard.engine.lora.checkpoint import AdapterError, LoRAAdapter, files_stamp
+from lora_guard.engine.lora.compute import kernel_plan
 from lora_guard.engine.lora.loader import AdapterLoader, HostCache
 from lora_guard.engine.lora.pool import AdapterLayout, CachePool, LayerWeights
 from lora_guard.engine.lora.registry import AdapterEntry, AdapterRegistry
@@ -59,10 +62,18 @@ class Resident:
     last_used: float
     in_step: int = 0  # requests of the step being formed that compute with it
     stale: bool = False  # replaced on disk: serves only the requests that started under it
+    _plan: tuple[list[LayerWeights], torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def num_pages(self) -> int:
         return self.layout.num_pages
+
+    @property
+    def plan(self) -> torch.Tensor:
+        """Where ``layers`` sit in the pool, for the LoRA kernel; made again when they move."""
+        if self._plan is None or self._plan[0] is not self.layers:
+            self._plan = (self.layers, kernel_plan(self.layers))
+        return self._plan[1]
 
 
 @dataclass

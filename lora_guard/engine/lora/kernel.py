@@ -1,0 +1,71 @@
+"""The compiled LoRA kernel (``sgmv.cpp``): a step's LoRA update for one projection in one call.
+
+Built on first use with the machine's C++ compiler and ninja (torch's extension builder; about
+half a minute, once per torch version) and kept in torch's extension folder
+(``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``); `make bootstrap` builds it ahead.
+Where it cannot be built the engine computes with the per-segment loop and says why once.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("sgmv.cpp")
+_state: dict[str, object] = {}
+
+
+def _name() -> str:
+    tag = torch.__version__.replace(".", "_").replace("+", "_")
+    return f"lora_guard_sgmv_torch_{tag}_py{sys.version_info.major}{sys.version_info.minor}"
+
+
+def load() -> bool:
+    """Build (first time) and load the kernel; False, with :func:`error` saying why, when it
+    cannot be had here. Tried once per process."""
+    if "ok" not in _state:
+        try:
+            from torch.utils import cpp_extension
+
+            cpp_extension.load(
+                name=_name(),
+                sources=[str(SOURCE)],
+                extra_cflags=["-O3"],
+                is_python_module=False,
+                verbose=False,
+            )
+            _state["ok"] = hasattr(torch.ops.lora_guard, "lora_apply")
+            if not _state["ok"]:
+                _state["error"] = "the built library did not register lora_guard::lora_apply"
+        except Exception as exc:  # a missing compiler or ninja, a failed build: all mean "no"
+            _state["ok"], _state["error"] = False, f"{type(exc).__name__}: {exc}".strip()
+        if not _state["ok"]:
+            log.warning("LoRA kernel unavailable, computing per segment: %s", error())
+    return bool(_state["ok"])
+
+
+def error() -> str | None:
+    """Why the kernel could not be loaded (None when it was, or was not tried)."""
+    reason = _state.get("error")
+    return None if reason is None else str(reason).splitlines()[0][:500]
+
+
+def lora_apply(x: torch.Tensor, y: torch.Tensor, pool: torch.Tensor, plan: torch.Tensor) -> None:
+    """``y += `` the LoRA update of every segment in ``plan`` (see ``sgmv.cpp``)."""
+    torch.ops.lora_guard.lora_apply(x, y, pool, plan)
+
+
+def main() -> int:
+    """Build the kernel ahead (the bootstrap does); 1 when it cannot be built here."""
+    started = time.perf_counter()
+    if not load():
+        print(f"lora-guard: LoRA kernel not built: {error()}", file=sys.stderr)
+        return 1
+    print(f"lora-guard: LoRA kernel ready ({time.perf_counter() - started:.1f} s)")
+    return 0

@@ -1,0 +1,108 @@
+// The LoRA update of one fused projection for every adapter segment of a step, in one call:
+// for each segment, shrink = x[start:end] @ A.T, then for each sub-module
+// y[start:end, out0:out1] += shrink[:, row0:row1] @ Bt. The same BLAS sgemm that torch.mm runs on
+// the CPU, called without one Python dispatch per matrix (SGMV's grouping, on the CPU).
+//
+// ``plan`` is int64 [segments, 4 + 5 * parts]: start, end, a_offset, rows, then per part row0,
+// row1, out0, out1, bt_offset (row1 == row0: no such part; rows == 0: the adapter has no weights
+// for this projection). Offsets are elements into ``pool``, the cache pool's arena that holds
+// every resident adapter's pages.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <vector>
+
+extern "C" void sgemm_(const char *transa, const char *transb, const int *m, const int *n,
+                       const int *k, const float *alpha, const float *a, const int *lda,
+                       const float *b, const int *ldb, const float *beta, float *c,
+                       const int *ldc);
+
+namespace {
+
+constexpr int64_t kHead = 4;
+constexpr int64_t kPartFields = 5;
+
+// Column-major C[m, n] = beta * C + A'[m, k] @ B[k, n], A' = A.T when transpose_a.
+void gemm(bool transpose_a, int m, int n, int k, const float *a, int lda, const float *b,
+          int ldb, float beta, float *c, int ldc) {
+    const char ta = transpose_a ? 'T' : 'N', tb = 'N';
+    const float alpha = 1.0f;
+    sgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+
+void lora_apply(const at::Tensor &x, const at::Tensor &y, const at::Tensor &pool,
+                const at::Tensor &plan) {
+    TORCH_CHECK(x.device().is_cpu() && y.device().is_cpu() && pool.device().is_cpu(),
+                "lora_apply runs on the CPU");
+    TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat &&
+                    pool.scalar_type() == at::kFloat,
+                "lora_apply computes in float32");
+    TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "x and y: [tokens, _]");
+    TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1, "x and y need contiguous rows");
+    TORCH_CHECK(pool.is_contiguous() && pool.storage_offset() == 0,
+                "the pool must be a whole contiguous tensor");
+    TORCH_CHECK(plan.scalar_type() == at::kLong && plan.dim() == 2 && plan.is_contiguous() &&
+                    (plan.size(1) - kHead) % kPartFields == 0,
+                "plan: int64 [segments, 4 + 5 * parts]");
+    const int64_t segments = plan.size(0), width = plan.size(1);
+    const int64_t parts = (width - kHead) / kPartFields;
+    const int64_t tokens = x.size(0), fan_in = x.size(1), fan_out = y.size(1);
+    const int64_t pool_elems = pool.numel();
+    const int64_t *rows_of = plan.data_ptr<int64_t>();
+    // Check every index before any write: a bad plan is an error, never a stray write.
+    for (int64_t s = 0; s < segments; ++s) {
+        const int64_t *p = rows_of + s * width;
+        const int64_t start = p[0], end = p[1], a_off = p[2], rank_rows = p[3];
+        TORCH_CHECK(0 <= start && start <= end && end <= tokens, "segment outside the batch");
+        if (rank_rows == 0) continue;
+        TORCH_CHECK(rank_rows > 0 && a_off >= 0 && a_off + rank_rows * fan_in <= pool_elems,
+                    "A outside the pool");
+        for (int64_t j = 0; j < parts; ++j) {
+            const int64_t *q = p + kHead + j * kPartFields;
+            const int64_t row0 = q[0], row1 = q[1], out0 = q[2], out1 = q[3], bt_off = q[4];
+            if (row1 == row0) continue;
+            TORCH_CHECK(0 <= row0 && row0 < row1 && row1 <= rank_rows, "part rows outside A");
+            TORCH_CHECK(0 <= out0 && out0 < out1 && out1 <= fan_out, "part columns outside y");
+            TORCH_CHECK(bt_off >= 0 && bt_off + (row1 - row0) * (out1 - out0) <= pool_elems,
+                        "B outside the pool");
+        }
+    }
+    const float *xs = x.data_ptr<float>();
+    float *ys = y.data_ptr<float>();
+    const float *weights = pool.data_ptr<float>();
+    const int64_t ldx = x.stride(0), ldy = y.stride(0);
+    // Segments write disjoint rows of y, so they run in parallel.
+    at::parallel_for(0, segments, 1, [&](int64_t first, int64_t last) {
+        std::vector<float> shrunk;
+        for (int64_t s = first; s < last; ++s) {
+            const int64_t *p = rows_of + s * width;
+            const int n = static_cast<int>(p[1] - p[0]);
+            const int rank_rows = static_cast<int>(p[3]);
+            if (n == 0 || rank_rows == 0) continue;
+            shrunk.resize(static_cast<size_t>(n) * rank_rows);
+            // shrunk (row-major [n, rows]) = x_seg @ A.T, A row-major [rows, in].
+            gemm(true, rank_rows, n, static_cast<int>(fan_in), weights + p[2],
+                 static_cast<int>(fan_in), xs + p[0] * ldx, static_cast<int>(ldx), 0.0f,
+                 shrunk.data(), rank_rows);
+            for (int64_t j = 0; j < parts; ++j) {
+                const int64_t *q = p + kHead + j * kPartFields;
+                if (q[1] == q[0]) continue;
+                const int rank = static_cast<int>(q[1] - q[0]);
+                const int width_out = static_cast<int>(q[3] - q[2]);
+                // y_seg[:, out0:out1] += shrunk[:, row0:row1] @ Bt, Bt row-major [rank, out].
+                gemm(false, width_out, n, rank, weights + q[4], width_out,
+                     shrunk.data() + q[0], rank_rows, 1.0f, ys + p[0] * ldy + q[2],
+                     static_cast<int>(ldy));
+            }
+        }
+    });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(lora_guard, m) {
+    m.def("lora_apply(Tensor x, Tensor(a!) y, Tensor pool, Tensor plan) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(lora_guard, CPU, m) { m.impl("lora_apply", &lora_apply); }

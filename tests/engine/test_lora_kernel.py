@@ -1,0 +1,146 @@
+"""The compiled LoRA kernel: the loop's arithmetic in one call per projection, read from the
+pool's pages; and the threads around the step loop kept from slowing it down."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lora_guard import LLM, SamplingParams
+from lora_guard.engine.config import ConfigError
+from lora_guard.engine.lora import kernel
+from lora_guard.engine.lora.compute import LoraBatch, LoraSegment, kernel_plan
+from lora_guard.engine.lora.pool import ModulePart, ProjectionWeights
+from lora_guard.engine.threads import serial_thread, serially
+from lora_guard.testing import AdapterFactory
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_adapters: AdapterFactory) -> dict[str, Path]:
+    return tiny_adapters(n=6, prefix="k", ranks=(2, 4, 8))
+
+
+def test_the_kernel_builds_and_loads_here() -> None:
+    assert kernel.load(), kernel.error()  # a C++ compiler and ninja are part of the set-up
+
+
+def pool_segments(pool: torch.Tensor) -> list[LoraSegment]:
+    """Three adapters' qkv weights as views into ``pool``, over tokens 1-4, 4-5 and 7-11."""
+    used = 0
+
+    def view(rows: int, cols: int) -> torch.Tensor:
+        nonlocal used
+        out = pool[used : used + rows * cols].view(rows, cols)
+        used += rows * cols
+        return out
+
+    def layers(rank_q: int, rank_v: int) -> list[dict[str, ProjectionWeights]]:
+        a = view(rank_q + rank_v, 16)
+        parts = (ModulePart(0, rank_q, 0, 16, view(rank_q, 16)),
+                 ModulePart(rank_q, rank_q + rank_v, 24, 32, view(rank_v, 8)))  # fmt: skip
+        return [{"qkv": ProjectionWeights(a, parts)}]
+
+    spans = [(1, 4, layers(4, 2)), (4, 5, layers(8, 8)), (7, 11, layers(2, 1))]
+    return [LoraSegment(start, end, weights, kernel_plan(weights)) for start, end, weights in spans]
+
+
+def test_the_kernel_computes_what_the_loop_does() -> None:
+    torch.manual_seed(0)
+    pool = torch.randn(4096)
+    segments = pool_segments(pool)
+    x, base = torch.randn(11, 16), torch.randn(11, 32)
+    looped, fused = base.clone(), base.clone()
+    LoraBatch(segments, "loop").apply(x, looped, 0, "qkv")
+    LoraBatch(segments, "kernel", pool).apply(x, fused, 0, "qkv")
+    assert torch.allclose(looped, fused, atol=1e-6)
+    assert torch.equal(fused[[0, 5, 6]], base[[0, 5, 6]])  # tokens of no adapter untouched
+    assert torch.equal(fused[1:5, 16:24], base[1:5, 16:24])  # k has no weights: untouched
+    assert not torch.equal(fused[1:5], base[1:5])
+    before = fused.clone()
+    LoraBatch(segments, "kernel", pool).apply(x, fused, 0, "o")  # no weights for o at all
+    assert torch.equal(fused, before)
+
+
+def test_a_plan_that_points_outside_the_pool_is_refused_before_any_write() -> None:
+    pool = torch.randn(4096)
+    segments = pool_segments(pool)
+    x, y = torch.randn(11, 16), torch.zeros(11, 32)
+    plan = LoraBatch(segments, "kernel", pool)._plan[0, 0].clone()
+    cases = {"A outside the pool": (1, 2, 4090), "segment outside the batch": (2, 1, 12),
+             "part columns outside y": (1, 4 + 5 + 3, 40)}  # fmt: skip
+    for message, (row, column, value) in cases.items():
+        bad = plan.clone()
+        bad[row, column] = value
+        with pytest.raises(RuntimeError, match=message):
+            kernel.lora_apply(x, y, pool, bad)
+        assert not y.any(), message
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.lora_apply(x.double(), y.double(), pool.double(), plan)
+
+
+def test_the_engine_with_the_kernel_matches_the_loop_token_for_token(
+    tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    names = sorted(adapters)
+    prompts = [[5, 6, 7, 8, 9 + i] for i in range(12)]
+    ids = [None if i % 5 == 0 else names[i % len(names)] for i in range(12)]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    outs = {}
+    for mode in ("kernel", "loop"):
+        llm = LLM(tiny_model, adapters=adapters, cache_memory="4MiB", max_loras=3,
+                  lora_compute=mode)  # fmt: skip
+        assert llm.engine.runner.lora_mode == mode
+        outs[mode] = [o.token_ids for o in llm.generate(prompts, params, ids)]
+        llm.engine.check_no_leaks()
+        llm.engine.shutdown()
+    assert outs["kernel"] == outs["loop"]  # three seats, six adapters: they rotate and move
+
+
+def test_auto_takes_the_kernel_in_float32_and_the_loop_in_bfloat16(tiny_model: Path) -> None:
+    assert LLM(tiny_model, cache_memory="4MiB").engine.runner.lora_mode == "kernel"
+    bf16 = LLM(tiny_model, cache_memory="4MiB", dtype="bfloat16")
+    assert bf16.engine.runner.lora_mode == "loop"
+    with pytest.raises(ConfigError, match="float32 on the CPU"):
+        LLM(tiny_model, cache_memory="4MiB", dtype="bfloat16", lora_compute="kernel")
+
+
+def test_threads_beside_the_step_loop_run_torch_serially(
+    tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    before = torch.get_num_threads()
+    llm = LLM(tiny_model, adapters=adapters, cache_memory="4MiB")
+    llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2), sorted(adapters)[0])
+    loader: Any = llm.engine.adapters.loader._pool
+    assert loader.submit(torch.get_num_threads).result() == 1
+    assert torch.get_num_threads() == before  # the stepping thread keeps its threads
+    seen: list[int] = []
+    helper = threading.Thread(target=lambda: seen.append(serially(torch.get_num_threads)))
+    helper.start()
+    helper.join()
+    assert seen == [1] and torch.get_num_threads() == before
+    llm.engine.shutdown()
+
+
+def test_serial_thread_leaves_other_threads_their_threads() -> None:
+    if torch.get_num_threads() < 2:
+        pytest.skip("one core: every thread is serial already")
+    seen: list[tuple[int, int]] = []
+
+    def serial_then_ask() -> None:
+        first = torch.get_num_threads()
+        serial_thread()
+        seen.append((first, torch.get_num_threads()))
+
+    helper = threading.Thread(target=serial_then_ask)
+    helper.start()
+    helper.join()
+    assert seen == [(torch.get_num_threads(), 1)]
+    fresh: list[int] = []
+    other = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+    other.start()
+    other.join()
+    assert fresh == [torch.get_num_threads()]  # a thread made later still gets them all
