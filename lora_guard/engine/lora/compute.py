@@ -121,8 +121,10 @@ class LoraBatch:
 def _step_plan(segments: list[LoraSegment]) -> torch.Tensor:
     """The kernel's plan of a step: int64 [layers, projections, segments, 4 + 5 * parts], each
     segment's start and end before its adapter's plan."""
-    plans = [seg.plan if seg.plan is not None else kernel_plan(seg.layers) for seg in segments]
-    adapters = torch.stack(plans, dim=2)  # [layers, projections, segments, plan]
+    plans = [seg.plan for seg in segments]
+    if any(plan is None for plan in plans):
+        raise ValueError("the kernel needs each segment's plan (Resident.plan)")
+    adapters = torch.stack(plans, dim=2)  # type: ignore[arg-type]  # [layers, projections, segments, plan]
     bounds = torch.tensor([[seg.start, seg.end] for seg in segments], dtype=torch.long)
     layers, projections = adapters.shape[:2]
     bounds = bounds.expand(layers, projections, len(segments), 2)

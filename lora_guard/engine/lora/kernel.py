@@ -1,7 +1,7 @@
 """The compiled LoRA kernel (``sgmv.cpp``): a step's LoRA update for one projection in one call.
 
 Built on first use with the machine's C++ compiler and ninja (torch's extension builder; about
-half a minute, once per torch version) and kept in torch's extension folder
+10 s, once per torch and Python version) and kept in torch's extension folder
 (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``); `make bootstrap` builds it ahead.
 Where it cannot be built the engine computes with the per-segment loop and says why once.
 """

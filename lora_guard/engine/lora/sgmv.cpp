@@ -39,7 +39,9 @@ void lora_apply(const at::Tensor &x, const at::Tensor &y, const at::Tensor &pool
                     pool.scalar_type() == at::kFloat,
                 "lora_apply computes in float32");
     TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "x and y: [tokens, _]");
-    TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1, "x and y need contiguous rows");
+    TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1 && x.stride(0) >= x.size(1) &&
+                    y.stride(0) >= y.size(1),
+                "x and y need contiguous rows");
     TORCH_CHECK(pool.is_contiguous() && pool.storage_offset() == 0,
                 "the pool must be a whole contiguous tensor");
     TORCH_CHECK(plan.scalar_type() == at::kLong && plan.dim() == 2 && plan.is_contiguous() &&
