@@ -218,7 +218,7 @@ def _engine_figures(
               max_loras=len(names), cache_memory="1GiB", dtype=args.dtype, device=args.device,
               max_num_seqs=max(batches), lora_compute=args.lora_compute)  # fmt: skip
     engine = llm.engine
-    base_bytes = engine.model.weight_bytes()
+    base_bytes = engine.model.step_bytes()
     adapter_bytes = {
         n: engine.pool.layout(read_adapter(n, args.adapter_dir / n, engine.model.spec, 64)).nbytes
         for n in names

@@ -264,10 +264,7 @@ class MemoryWatch:
         self.merge_copies = 0
         self.merge_delta = 0
         if engine.adapters.merged_mode:
-            # Merging adds B @ A one module at a time: one delta of the largest projection.
-            self.merge_delta = max(
-                t.numel() * 4 for layer in model.layers for t in layer.values() if t is not None
-            )
+            self.merge_delta = model.merge_transient_bytes()
         self.sample()
 
     def sample(self) -> None:

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from lora_guard.engine.linear import Linear, blocked_layout_available
+
 if TYPE_CHECKING:
     from lora_guard.engine.lora.compute import LoraBatch
 
@@ -129,6 +131,19 @@ class AttentionBatch:
     decode_mask: torch.Tensor | None
 
 
+@dataclass(slots=True)
+class Layer:
+    """One decoder layer's weights: its two norms and its four (fused) projections."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    projections: dict[str, Linear]  # keyed like FUSED_PROJECTIONS
+
+    @property
+    def norms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.input_norm, self.post_norm
+
+
 def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling for the RoPE the config asks for."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -164,7 +179,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class LlamaModel:
     """Weights and the forward pass. Owns no cache and no adapters; both are passed in."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        blocked: bool | None = None,
+    ) -> None:
+        """``blocked``: keep the projections in oneDNN's blocked layout (default: where it is
+        available, see ``engine/linear``)."""
         from transformers import AutoConfig
 
         self.config = AutoConfig.from_pretrained(model_dir)
@@ -179,29 +203,34 @@ class LlamaModel:
             return weights.pop(name).to(device=device, dtype=dtype).contiguous()
 
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = self.embed if s.tie_word_embeddings else w("lm_head.weight")
+        self.blocked = blocked_layout_available(dtype, device) if blocked is None else blocked
+        head = self.embed if s.tie_word_embeddings else w("lm_head.weight")
+        # A tied head multiplies the embedding table itself, unless it gets a blocked copy.
+        self.lm_head: Linear | torch.Tensor = (
+            Linear(head, None, blocked=True) if self.blocked else head
+        )
         self.norm = w("model.norm.weight")
-        self.layers: list[dict[str, torch.Tensor | None]] = []
+        self.layers: list[Layer] = []
+
+        def linear(names: tuple[str, ...], prefix: str, bias: bool) -> Linear:
+            weight = torch.cat([w(f"{prefix}{m}.weight") for m in names])
+            b = torch.cat([w(f"{prefix}{m}.bias") for m in names]).contiguous() if bias else None
+            return Linear(weight, b, blocked=self.blocked)
+
         for i in range(s.num_layers):
             p = f"model.layers.{i}."
             attn, mlp = p + "self_attn.", p + "mlp."
-            qkv = [w(f"{attn}{m}.weight") for m in FUSED_PROJECTIONS["qkv"]]
-            qkv_b = [w(f"{attn}{m}.bias") for m in FUSED_PROJECTIONS["qkv"]] if s.qkv_bias else []
-            gu = [w(f"{mlp}{m}.weight") for m in FUSED_PROJECTIONS["gate_up"]]
-            gu_b = [w(f"{mlp}{m}.bias") for m in FUSED_PROJECTIONS["gate_up"]] if s.mlp_bias else []
             self.layers.append(
-                {
-                    "input_norm": w(p + "input_layernorm.weight"),
-                    "post_norm": w(p + "post_attention_layernorm.weight"),
-                    "qkv": _transposed(torch.cat(qkv)),
-                    "qkv_bias": torch.cat(qkv_b).contiguous() if qkv_b else None,
-                    "o": _transposed(w(attn + "o_proj.weight")),
-                    "o_bias": w(attn + "o_proj.bias") if s.o_bias else None,
-                    "gate_up": _transposed(torch.cat(gu)),
-                    "gate_up_bias": torch.cat(gu_b).contiguous() if gu_b else None,
-                    "down": _transposed(w(mlp + "down_proj.weight")),
-                    "down_bias": w(mlp + "down_proj.bias") if s.mlp_bias else None,
-                }
+                Layer(
+                    input_norm=w(p + "input_layernorm.weight"),
+                    post_norm=w(p + "post_attention_layernorm.weight"),
+                    projections={
+                        "qkv": linear(FUSED_PROJECTIONS["qkv"], attn, s.qkv_bias),
+                        "o": linear(FUSED_PROJECTIONS["o"], attn, s.o_bias),
+                        "gate_up": linear(FUSED_PROJECTIONS["gate_up"], mlp, s.mlp_bias),
+                        "down": linear(FUSED_PROJECTIONS["down"], mlp, s.mlp_bias),
+                    },
+                )
             )
         self._pristine: dict[tuple[int, str], torch.Tensor] = {}
         inv_freq, self.rope_scaling = rope_inv_freq(self.config, s.head_dim)
@@ -220,31 +249,51 @@ class LlamaModel:
         them exactly.
         """
         self.unmerge_lora()
+        deltas: dict[tuple[int, str], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
         for (layer, module), (a, b) in weights.items():
             projection, start, end = self.spec.fused_rows(module)
-            weight = self.layers[layer][projection]
-            assert weight is not None
-            if reversible and (layer, projection) not in self._pristine:
+            deltas.setdefault((layer, projection), []).append((start, end, a, b))
+        # One projection at a time: a merge holds one plain copy beside the weights.
+        for (layer, projection), updates in deltas.items():
+            linear = self.layers[layer].projections[projection]
+            weight = linear.dense()
+            if reversible:
                 self._pristine[layer, projection] = weight.clone()
-            delta = b.to(self.device, torch.float32) @ a.to(self.device, torch.float32)
-            weight[:, start:end] += delta.t().to(weight.dtype)
+            for start, end, a, b in updates:
+                delta = b.to(self.device, torch.float32) @ a.to(self.device, torch.float32)
+                weight[start:end] += delta.to(weight.dtype)
+            linear.replace(weight)
 
     def unmerge_lora(self) -> None:
         for (layer, projection), original in self._pristine.items():
-            weight = self.layers[layer][projection]
-            assert weight is not None
-            weight.copy_(original)
+            self.layers[layer].projections[projection].replace(original)
         self._pristine.clear()
 
     def merge_copy_bytes(self) -> int:
         """Bytes of the original weights a reversible merge keeps aside."""
         return sum(t.numel() * t.element_size() for t in self._pristine.values())
 
+    def merge_transient_bytes(self) -> int:
+        """The most a merge holds beside the weights and the copies it keeps: one projection's
+        plain copy, its update and its new weight before the old one is let go."""
+        largest = max(p.nbytes for layer in self.layers for p in layer.projections.values())
+        return 3 * largest
+
     def weight_bytes(self) -> int:
-        tensors = [self.embed, self.norm, *(t for layer in self.layers for t in layer.values())]
-        if self.lm_head is not self.embed:
+        tensors = [self.embed, self.norm, *(t for layer in self.layers for t in layer.norms)]
+        linears = [p for layer in self.layers for p in layer.projections.values()]
+        if isinstance(self.lm_head, Linear):
+            linears.append(self.lm_head)
+        elif self.lm_head is not self.embed:
             tensors.append(self.lm_head)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return sum(t.numel() * t.element_size() for t in tensors) + sum(p.nbytes for p in linears)
+
+    def step_bytes(self) -> int:
+        """Bytes of weights one step reads: all of them but the embedding table, which a step
+        only gathers rows from (unless the head multiplies the table itself)."""
+        if self.lm_head is self.embed:
+            return self.weight_bytes()
+        return self.weight_bytes() - self.embed.numel() * self.embed.element_size()
 
     @torch.inference_mode()
     def forward(
@@ -266,7 +315,7 @@ class LlamaModel:
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         k_cache, v_cache = kv_cache
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer["input_norm"], s.rms_norm_eps)  # type: ignore[arg-type]
+            h = rms_norm(x, layer.input_norm, s.rms_norm_eps)
             qkv = self._linear(h, layer, "qkv", i, lora)
             q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
             q = rotate(q.view(-1, s.num_heads, s.head_dim), cos, sin)
@@ -276,23 +325,18 @@ class LlamaModel:
             v_cache[i].index_copy_(0, attn.slot_mapping, v)
             o = self._attention(q, k_cache[i], v_cache[i], attn)
             x = x + self._linear(o, layer, "o", i, lora)
-            h = rms_norm(x, layer["post_norm"], s.rms_norm_eps)  # type: ignore[arg-type]
+            h = rms_norm(x, layer.post_norm, s.rms_norm_eps)
             gate, up = self._linear(h, layer, "gate_up", i, lora).chunk(2, dim=-1)
             x = x + self._linear(F.silu(gate) * up, layer, "down", i, lora)
         h = rms_norm(x[logits_rows], self.norm, s.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        head = self.lm_head
+        logits = head(h) if isinstance(head, Linear) else F.linear(h, head)
+        return logits.float()
 
     def _linear(
-        self,
-        x: torch.Tensor,
-        layer: dict[str, torch.Tensor | None],
-        projection: str,
-        index: int,
-        lora: LoraBatch | None,
+        self, x: torch.Tensor, layer: Layer, projection: str, index: int, lora: LoraBatch | None
     ) -> torch.Tensor:
-        weight, bias = layer[projection], layer[projection + "_bias"]
-        assert weight is not None
-        y = torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
+        y = layer.projections[projection](x)
         if lora is not None:
             lora.apply(x, y, index, projection)
         return y
@@ -330,12 +374,6 @@ class LlamaModel:
             )  # fmt: skip
             out[attn.decode_rows] = o.squeeze(2)
         return out.view(q.shape[0], -1)
-
-
-def _transposed(weight: torch.Tensor) -> torch.Tensor:
-    """A projection's ``[out, in]`` weight stored ``[in, out]``: ``x @ w`` over that layout runs
-    about a third faster than ``F.linear`` at 32 decode rows on the CPU (docs/benchmarks.md)."""
-    return weight.t().contiguous()
 
 
 def _load_safetensors(model_dir: Path, spec: ModelSpec) -> dict[str, torch.Tensor]:

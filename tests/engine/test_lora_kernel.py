@@ -28,8 +28,12 @@ def test_the_kernel_builds_and_loads_here() -> None:
     assert kernel.load(), kernel.error()  # a C++ compiler and ninja are part of the set-up
 
 
-def pool_segments(pool: torch.Tensor) -> list[LoraSegment]:
-    """Three adapters' qkv weights as views into ``pool``, over tokens 1-4, 4-5 and 7-11."""
+FAN_IN = 20  # not a multiple of the kernel's 16 lanes: its tail loop runs too
+
+
+def pool_segments(pool: torch.Tensor, *, prefill: bool = False) -> list[LoraSegment]:
+    """Three adapters' qkv weights as views into ``pool``, over tokens 1-4, 4-5 and 7-11; with
+    ``prefill``, a fourth over tokens 12-32 (longer than the kernel's streamed segments)."""
     used = 0
 
     def view(rows: int, cols: int) -> torch.Tensor:
@@ -39,25 +43,27 @@ def pool_segments(pool: torch.Tensor) -> list[LoraSegment]:
         return out
 
     def layers(rank_q: int, rank_v: int) -> list[dict[str, ProjectionWeights]]:
-        a = view(rank_q + rank_v, 16)
+        a = view(rank_q + rank_v, FAN_IN)
         parts = (ModulePart(0, rank_q, 0, 16, view(rank_q, 16)),
                  ModulePart(rank_q, rank_q + rank_v, 24, 32, view(rank_v, 8)))  # fmt: skip
         return [{"qkv": ProjectionWeights(a, parts)}]
 
     spans = [(1, 4, layers(4, 2)), (4, 5, layers(8, 8)), (7, 11, layers(2, 1))]
+    if prefill:
+        spans.append((12, 32, layers(4, 4)))
     return [LoraSegment(start, end, weights, kernel_plan(weights)) for start, end, weights in spans]
 
 
 def test_the_kernel_computes_what_the_loop_does() -> None:
     torch.manual_seed(0)
     pool = torch.randn(4096)
-    segments = pool_segments(pool)
-    x, base = torch.randn(11, 16), torch.randn(11, 32)
+    segments = pool_segments(pool, prefill=True)
+    x, base = torch.randn(32, FAN_IN), torch.randn(32, 32)
     looped, fused = base.clone(), base.clone()
     LoraBatch(segments, "loop").apply(x, looped, 0, "qkv")
     LoraBatch(segments, "kernel", pool).apply(x, fused, 0, "qkv")
-    assert torch.allclose(looped, fused, atol=1e-6)
-    assert torch.equal(fused[[0, 5, 6]], base[[0, 5, 6]])  # tokens of no adapter untouched
+    assert torch.allclose(looped, fused, atol=1e-5)
+    assert torch.equal(fused[[0, 5, 6, 11]], base[[0, 5, 6, 11]])  # tokens of no adapter untouched
     assert torch.equal(fused[1:5, 16:24], base[1:5, 16:24])  # k has no weights: untouched
     assert not torch.equal(fused[1:5], base[1:5])
     before = fused.clone()
@@ -68,7 +74,7 @@ def test_the_kernel_computes_what_the_loop_does() -> None:
 def test_a_plan_that_points_outside_the_pool_is_refused_before_any_write() -> None:
     pool = torch.randn(4096)
     segments = pool_segments(pool)
-    x, y = torch.randn(11, 16), torch.zeros(11, 32)
+    x, y = torch.randn(11, FAN_IN), torch.zeros(11, 32)
     plan = LoraBatch(segments, "kernel", pool)._plan[0, 0].clone()
     cases = {"A outside the pool": (1, 2, 4090), "segment outside the batch": (2, 1, 12),
              "part columns outside y": (1, 4 + 5 + 3, 40)}  # fmt: skip

@@ -1,7 +1,10 @@
 // The LoRA update of one fused projection for every adapter segment of a step, in one call:
 // for each segment, shrink = x[start:end] @ A.T, then for each sub-module
-// y[start:end, out0:out1] += shrink[:, row0:row1] @ Bt. The same BLAS sgemm that torch.mm runs on
-// the CPU, called without one Python dispatch per matrix (SGMV's grouping, on the CPU).
+// y[start:end, out0:out1] += shrink[:, row0:row1] @ Bt, without one Python dispatch per matrix
+// (SGMV's grouping, on the CPU). A segment of a few tokens (a decode step's) streams each matrix
+// once and uses every element it reads for all the segment's tokens: BLAS would copy the matrix
+// into its packed layout first, reading the bytes twice. Longer segments (prefill) call the BLAS
+// sgemm that torch.mm calls.
 //
 // ``plan`` is int64 [segments, 4 + 5 * parts]: start, end, a_offset, rows, then per part row0,
 // row1, out0, out1, bt_offset (row1 == row0: no such part; rows == 0: the adapter has no weights
@@ -22,6 +25,53 @@ namespace {
 
 constexpr int64_t kHead = 4;
 constexpr int64_t kPartFields = 5;
+constexpr int kStreamedTokens = 16;  // segments up to this long take the streaming loops
+constexpr int kLanes = 16;           // independent partial sums of a dot product (vectorized)
+constexpr int kColumnBlock = 512;    // output columns an expand keeps in L1 at a time
+
+// Built for AVX-512, AVX2 + FMA and plain x86-64; the loader picks what the CPU has.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define LORA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define LORA_CLONES
+#endif
+
+// out[m, j] = dot(x[m], a[j]) for the n token rows of x and the rows of a (row-major [rows, k]).
+LORA_CLONES
+void shrink_streamed(int n, int rows, int k, const float *__restrict a,
+                     const float *__restrict x, int64_t ldx, float *__restrict out) {
+    for (int j = 0; j < rows; ++j) {
+        const float *aj = a + static_cast<int64_t>(j) * k;
+        for (int m = 0; m < n; ++m) {
+            const float *xm = x + m * ldx;
+            float lanes[kLanes] = {};
+            int i = 0;
+            for (; i + kLanes <= k; i += kLanes)
+                for (int l = 0; l < kLanes; ++l) lanes[l] += xm[i + l] * aj[i + l];
+            float sum = 0.0f;
+            for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+            for (; i < k; ++i) sum += xm[i] * aj[i];
+            out[m * rows + j] = sum;
+        }
+    }
+}
+
+// y[m, :width] += sum_j s[m, j] * bt[j, :width] for the n token rows, bt row-major [rank, width].
+LORA_CLONES
+void expand_streamed(int n, int rank, int width, const float *__restrict bt,
+                     const float *__restrict s, int lds, float *__restrict y, int64_t ldy) {
+    for (int o0 = 0; o0 < width; o0 += kColumnBlock) {
+        const int o1 = o0 + kColumnBlock < width ? o0 + kColumnBlock : width;
+        for (int j = 0; j < rank; ++j) {
+            const float *bj = bt + static_cast<int64_t>(j) * width;
+            for (int m = 0; m < n; ++m) {
+                const float c = s[m * lds + j];
+                float *ym = y + m * ldy;
+                for (int o = o0; o < o1; ++o) ym[o] += c * bj[o];
+            }
+        }
+    }
+}
 
 // Column-major C[m, n] = beta * C + A'[m, k] @ B[k, n], A' = A.T when transpose_a.
 void gemm(bool transpose_a, int m, int n, int k, const float *a, int lda, const float *b,
@@ -82,17 +132,28 @@ void lora_apply(const at::Tensor &x, const at::Tensor &y, const at::Tensor &pool
             const int n = static_cast<int>(p[1] - p[0]);
             const int rank_rows = static_cast<int>(p[3]);
             if (n == 0 || rank_rows == 0) continue;
+            const bool streamed = n <= kStreamedTokens;
             shrunk.resize(static_cast<size_t>(n) * rank_rows);
             // shrunk (row-major [n, rows]) = x_seg @ A.T, A row-major [rows, in].
-            gemm(true, rank_rows, n, static_cast<int>(fan_in), weights + p[2],
-                 static_cast<int>(fan_in), xs + p[0] * ldx, static_cast<int>(ldx), 0.0f,
-                 shrunk.data(), rank_rows);
+            if (streamed) {
+                shrink_streamed(n, rank_rows, static_cast<int>(fan_in), weights + p[2],
+                                xs + p[0] * ldx, ldx, shrunk.data());
+            } else {
+                gemm(true, rank_rows, n, static_cast<int>(fan_in), weights + p[2],
+                     static_cast<int>(fan_in), xs + p[0] * ldx, static_cast<int>(ldx), 0.0f,
+                     shrunk.data(), rank_rows);
+            }
             for (int64_t j = 0; j < parts; ++j) {
                 const int64_t *q = p + kHead + j * kPartFields;
                 if (q[1] == q[0]) continue;
                 const int rank = static_cast<int>(q[1] - q[0]);
                 const int width_out = static_cast<int>(q[3] - q[2]);
                 // y_seg[:, out0:out1] += shrunk[:, row0:row1] @ Bt, Bt row-major [rank, out].
+                if (streamed) {
+                    expand_streamed(n, rank, width_out, weights + q[4], shrunk.data() + q[0],
+                                    rank_rows, ys + p[0] * ldy + q[2], ldy);
+                    continue;
+                }
                 gemm(false, width_out, n, rank, weights + q[4], width_out,
                      shrunk.data() + q[0], rank_rows, 1.0f, ys + p[0] * ldy + q[2],
                      static_cast<int>(ldy));
