@@ -36,7 +36,8 @@ def load() -> bool:
             cpp_extension.load(
                 name=_name(),
                 sources=[str(SOURCE)],
-                extra_cflags=["-O3"],
+                extra_cflags=["-O3", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
                 is_python_module=False,
                 verbose=False,
             )

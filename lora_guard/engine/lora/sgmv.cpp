@@ -36,27 +36,64 @@ constexpr int kColumnBlock = 512;    // output columns an expand keeps in L1 at 
 #define LORA_CLONES
 #endif
 
-// out[m, j] = dot(x[m], a[j]) for the n token rows of x and the rows of a (row-major [rows, k]).
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline Lanes load(const float *p) {
+    Lanes v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+inline float total(Lanes v) {
+    float sum = 0.0f;
+    for (int l = 0; l < kLanes; ++l) sum += v[l];
+    return sum;
+}
+
+// out[m, j] = dot(x[m], a[j]) for the n token rows of x and the rows of a (row-major [rows, k]);
+// four token rows at a time, so each piece of a row read from memory serves all four.
 LORA_CLONES
 void shrink_streamed(int n, int rows, int k, const float *__restrict a,
                      const float *__restrict x, int64_t ldx, float *__restrict out) {
+    const int whole = k - k % kLanes;
     for (int j = 0; j < rows; ++j) {
         const float *aj = a + static_cast<int64_t>(j) * k;
-        for (int m = 0; m < n; ++m) {
+        int m = 0;
+        for (; m + 4 <= n; m += 4) {
+            const float *x0 = x + m * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
+            Lanes s0 = {}, s1 = {}, s2 = {}, s3 = {};
+            for (int i = 0; i < whole; i += kLanes) {
+                const Lanes w = load(aj + i);
+                s0 += load(x0 + i) * w;
+                s1 += load(x1 + i) * w;
+                s2 += load(x2 + i) * w;
+                s3 += load(x3 + i) * w;
+            }
+            float t0 = total(s0), t1 = total(s1), t2 = total(s2), t3 = total(s3);
+            for (int i = whole; i < k; ++i) {
+                t0 += x0[i] * aj[i];
+                t1 += x1[i] * aj[i];
+                t2 += x2[i] * aj[i];
+                t3 += x3[i] * aj[i];
+            }
+            out[m * rows + j] = t0;
+            out[(m + 1) * rows + j] = t1;
+            out[(m + 2) * rows + j] = t2;
+            out[(m + 3) * rows + j] = t3;
+        }
+        for (; m < n; ++m) {
             const float *xm = x + m * ldx;
-            float lanes[kLanes] = {};
-            int i = 0;
-            for (; i + kLanes <= k; i += kLanes)
-                for (int l = 0; l < kLanes; ++l) lanes[l] += xm[i + l] * aj[i + l];
-            float sum = 0.0f;
-            for (int l = 0; l < kLanes; ++l) sum += lanes[l];
-            for (; i < k; ++i) sum += xm[i] * aj[i];
-            out[m * rows + j] = sum;
+            Lanes s0 = {};
+            for (int i = 0; i < whole; i += kLanes) s0 += load(xm + i) * load(aj + i);
+            float t0 = total(s0);
+            for (int i = whole; i < k; ++i) t0 += xm[i] * aj[i];
+            out[m * rows + j] = t0;
         }
     }
 }
 
-// y[m, :width] += sum_j s[m, j] * bt[j, :width] for the n token rows, bt row-major [rank, width].
+// y[m, :width] += sum_j s[m, j] * bt[j, :width] for the n token rows, bt row-major [rank, width]:
+// each row of bt is read once, in order, and added to every token row (kept in L1 by blocks).
 LORA_CLONES
 void expand_streamed(int n, int rank, int width, const float *__restrict bt,
                      const float *__restrict s, int lds, float *__restrict y, int64_t ldy) {
