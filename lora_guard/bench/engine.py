@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--lora-compute", default="auto", choices=MODES)
+    parser.add_argument("--weight-layout", default="auto", choices=("auto", "blocked", "plain"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip-peft", action="store_true", help="engine figures only")
     parser.add_argument("--repeats", type=int, default=1,
@@ -202,7 +203,7 @@ def _bench(args: argparse.Namespace) -> int:
     _print(rows, peak, args, names)
     if args.json:
         args.json.write_text(json.dumps({
-            "device": str(device), "dtype": args.dtype, "matmul_peak_gflops": peak,
+            "device": str(device), "dtype": args.dtype, "weight_layout": args.weight_layout, "matmul_peak_gflops": peak,
             "adapters": names, "new_tokens": args.new_tokens, "repeats": args.repeats,
             "rows": [asdict(r) | {"mixed_over_base": r.mixed_over_base, "over_floor": r.over_floor,
                                   "speedup_over_peft": r.speedup_over_peft} for r in rows],
@@ -216,7 +217,8 @@ def _engine_figures(
     """Per batch: the bytes floor, the engine's base and mixed step ms, its mixed tokens/s."""
     llm = LLM(args.model, adapters={n: args.adapter_dir / n for n in names},
               max_loras=len(names), cache_memory="1GiB", dtype=args.dtype, device=args.device,
-              max_num_seqs=max(batches), lora_compute=args.lora_compute)  # fmt: skip
+              max_num_seqs=max(batches), lora_compute=args.lora_compute,
+              weight_layout=args.weight_layout)  # fmt: skip
     engine = llm.engine
     base_bytes = engine.model.step_bytes()
     adapter_bytes = {

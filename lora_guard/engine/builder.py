@@ -10,6 +10,7 @@ from typing import Any
 
 from lora_guard.engine.config import ConfigError, EngineConfig
 from lora_guard.engine.kv_cache import BlockManager
+from lora_guard.engine.linear import blocked_layout_available
 from lora_guard.engine.llm_engine import LLMEngine
 from lora_guard.engine.lora.checkpoint import read_adapter
 from lora_guard.engine.lora.compute import resolve_mode
@@ -66,7 +67,13 @@ def engine_from_config(
 
     hooks = hooks if hooks is not None else Hooks(make_plugin_manager())
     model_dir = Path(config.model).expanduser()
-    model = LlamaModel(model_dir, config.torch_dtype, config.torch_device)
+    blocked = blocked_layout_available(config.torch_dtype, config.torch_device)
+    if config.weight_layout == "blocked" and not blocked:
+        raise ConfigError("weight_layout=blocked needs float32 on a CPU whose torch has oneDNN")
+    model = LlamaModel(
+        model_dir, config.torch_dtype, config.torch_device,
+        blocked=blocked and config.weight_layout != "plain",
+    )  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model_id = config.model_id or model_name(model_dir, model.config)
     spec = model.spec

@@ -243,6 +243,11 @@ class EngineConfig:
                                 "batched matmul per projection), auto (kernel where it builds, "
                                 "else loop)", check=one_of("auto", "kernel", "loop", "batched"),
                                 metavar="MODE")  # fmt: skip
+    weight_layout: str = setting("auto", help="how the base model's projections are stored: "
+                                 "blocked (oneDNN's layout, float32 on the CPU), plain (torch.mm "
+                                 "over [in, out]), auto (blocked where it applies, else plain)",
+                                 check=one_of("auto", "blocked", "plain"),
+                                 metavar="LAYOUT")  # fmt: skip
     block_size: int = setting(16, help="tokens per KV block (a power of two)", check=power_of_two,
                               metavar="N")  # fmt: skip
     enable_prefix_caching: bool = setting(True, help="reuse KV blocks of shared prefixes (within "

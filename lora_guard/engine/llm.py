@@ -53,6 +53,7 @@ class LLM:
         kv_cache_memory: int | str | None = None,
         residency_quantum_ms: int = 1000,
         lora_compute: str = "auto",
+        weight_layout: str = "auto",
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         max_batch_tokens: int = 2048,

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lora_guard import LLM, SamplingParams
+from lora_guard.engine.config import ConfigError
 from lora_guard.engine.linear import Linear, blocked_layout_available
 from lora_guard.engine.lora import read_adapter
 from lora_guard.engine.model import LlamaModel
@@ -84,3 +86,28 @@ def test_a_step_reads_the_blocked_head_not_the_embedding_table(tiny_model: Path)
     assert blocked.weight_bytes() >= plain.weight_bytes() + table
     assert blocked.step_bytes() == blocked.weight_bytes() - table
     assert plain.step_bytes() == plain.weight_bytes()
+
+
+@needs_blocked
+def test_the_engine_answers_the_same_in_either_layout(
+    tiny_model: Path, tiny_adapters: AdapterFactory
+) -> None:
+    adapters = tiny_adapters(n=3, prefix="layout", ranks=(4, 8))
+    names = sorted(adapters)
+    prompts = [[5, 6, 7, 8, 9 + i] for i in range(6)]
+    ids = [None if i % 4 == 0 else names[i % len(names)] for i in range(6)]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    outs = {}
+    for layout in ("blocked", "plain"):
+        llm = LLM(tiny_model, adapters=adapters, cache_memory="4MiB", weight_layout=layout)
+        assert llm.engine.model.blocked == (layout == "blocked")
+        outs[layout] = [o.token_ids for o in llm.generate(prompts, params, ids)]
+        llm.engine.shutdown()
+    assert outs["blocked"] == outs["plain"]
+
+
+def test_a_blocked_layout_that_cannot_apply_is_a_config_error(tiny_model: Path) -> None:
+    with pytest.raises(ConfigError, match="weight_layout=blocked"):
+        LLM(tiny_model, cache_memory="4MiB", dtype="bfloat16", weight_layout="blocked")
+    bf16 = LLM(tiny_model, cache_memory="4MiB", dtype="bfloat16")  # auto: plain
+    assert not bf16.engine.model.blocked
