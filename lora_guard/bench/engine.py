@@ -4,13 +4,14 @@
                                       [--repeats N]
 
 Prints, for batch sizes 1, 8 and 32: the engine's decode step time for the base model alone and for
-a batch mixing 8 adapters; the bytes floor of that mix (a step must read the base weights and, for
-a mixed batch, every adapter's weights once: (base bytes + adapter bytes) / base bytes); the same
-prompts through transformers + PEFT mixed-adapter ``generate``; and this machine's torch matmul
-peak. Defaults to the demo model (prepared if missing) with 8 adapters made for the run (ranks 8,
-16 and 32 on every projection, seeded), float32. With ``--repeats N`` the engine's and PEFT's runs
-take turns N times (a drift of the machine's speed reaches both), and each figure is the
-median of its runs, each run's ratios printed below the table.
+a batch mixing 8 adapters (each the median of three runs, base and mixed in turn); the bytes floor
+of that mix (a step must read the base weights, all but the embedding table it only gathers from,
+and, for a mixed batch, every adapter's weights once: (base bytes + adapter bytes) / base bytes);
+the same prompts through transformers + PEFT mixed-adapter ``generate``; and this machine's torch
+matmul peak. Defaults to the demo model (prepared if missing) with 8 adapters made for the run
+(ranks 8, 16 and 32 on every projection, seeded), float32. With ``--repeats N`` the engine's and
+PEFT's runs take turns N times (a drift of the machine's speed reaches both), and each figure is
+the median of its runs, each run's ratios printed below the table.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from lora_guard.engine import LLM, SamplingParams
 from lora_guard.engine.lora import read_adapter
 from lora_guard.engine.lora.compute import MODES
 from lora_guard.engine.lora.registry import scan_adapter_dir
+
+TURNS = 3  # base and mixed runs of each batch, in turn, within one engine
 
 
 @dataclass
@@ -203,7 +206,8 @@ def _bench(args: argparse.Namespace) -> int:
     _print(rows, peak, args, names)
     if args.json:
         args.json.write_text(json.dumps({
-            "device": str(device), "dtype": args.dtype, "weight_layout": args.weight_layout, "matmul_peak_gflops": peak,
+            "device": str(device), "dtype": args.dtype, "weight_layout": args.weight_layout,
+            "lora_compute": args.lora_compute, "matmul_peak_gflops": peak,
             "adapters": names, "new_tokens": args.new_tokens, "repeats": args.repeats,
             "rows": [asdict(r) | {"mixed_over_base": r.mixed_over_base, "over_floor": r.over_floor,
                                   "speedup_over_peft": r.speedup_over_peft} for r in rows],
@@ -231,8 +235,14 @@ def _engine_figures(
     for batch in batches:
         prompts = _prompts(tokenizer, batch)
         mixed = [names[i % len(names)] for i in range(batch)]
-        base_ms, _ = engine_run(llm, prompts, [None] * batch, args.new_tokens)
-        mixed_ms, mixed_tps = engine_run(llm, prompts, list(mixed), args.new_tokens)
+        # Base and mixed batches in turn: a drift of the machine's speed reaches both.
+        base, mixed_runs = [], []
+        for _ in range(TURNS):
+            base.append(engine_run(llm, prompts, [None] * batch, args.new_tokens))
+            mixed_runs.append(engine_run(llm, prompts, list(mixed), args.new_tokens))
+        base_ms = statistics.median(ms for ms, _ in base)
+        mixed_ms = statistics.median(ms for ms, _ in mixed_runs)
+        mixed_tps = statistics.median(tps for _, tps in mixed_runs)
         floor = (base_bytes + sum(adapter_bytes[n] for n in set(mixed))) / base_bytes
         figures[batch] = (floor, base_ms, mixed_ms, mixed_tps)
     engine.shutdown()
@@ -279,7 +289,8 @@ def _median_row(runs: list[Row]) -> Row:
 
 
 def _print(rows: list[Row], peak: float, args: argparse.Namespace, names: list[str]) -> None:
-    print(f"device {args.device}, {args.dtype}, torch {torch.__version__}, "
+    print(f"device {args.device}, {args.dtype}, weight layout {args.weight_layout}, LoRA compute "
+          f"{args.lora_compute}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; matmul peak {peak:.0f} GFLOP/s")  # fmt: skip
     print(f"mixed batches cycle over {len(names)} adapters: {', '.join(names)}; "
           f"{args.new_tokens} new tokens per request\n")  # fmt: skip

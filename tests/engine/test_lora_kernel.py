@@ -15,7 +15,7 @@ from lora_guard.engine.config import ConfigError
 from lora_guard.engine.lora import kernel
 from lora_guard.engine.lora.compute import LoraBatch, LoraSegment, kernel_plan
 from lora_guard.engine.lora.pool import ModulePart, ProjectionWeights
-from lora_guard.engine.threads import serial_thread, serially
+from lora_guard.engine.threads import openmp_libraries, serial_thread, serially
 from lora_guard.testing import AdapterFactory
 
 
@@ -26,6 +26,12 @@ def adapters(tiny_adapters: AdapterFactory) -> dict[str, Path]:
 
 def test_the_kernel_builds_and_loads_here() -> None:
     assert kernel.load(), kernel.error()  # a C++ compiler and ninja are part of the set-up
+
+
+def test_the_kernel_runs_on_torchs_own_openmp_runtime() -> None:
+    assert kernel.load(), kernel.error()
+    # A second runtime would bring a second team of threads, and the steps would slow down.
+    assert len(openmp_libraries()) == 1, openmp_libraries()
 
 
 FAN_IN = 20  # not a multiple of the kernel's 16 lanes: its tail loop runs too

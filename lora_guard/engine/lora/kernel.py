@@ -4,6 +4,9 @@ Built on first use with the machine's C++ compiler and ninja (torch's extension 
 10 s, once per torch and Python version) and kept in torch's extension folder
 (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``); `make bootstrap` builds it ahead.
 Where it cannot be built the engine computes with the per-segment loop and says why once.
+It is built with OpenMP: torch's ``parallel_for`` is an OpenMP pragma in a header, so without
+the flag the segments would run one after another. At load the library's ``libgomp.so.1`` is the
+one torch has already loaded, so the process keeps one OpenMP runtime (``engine/threads``).
 """
 
 from __future__ import annotations
