@@ -67,13 +67,13 @@ def engine_from_config(
 
     hooks = hooks if hooks is not None else Hooks(make_plugin_manager())
     model_dir = Path(config.model).expanduser()
-    blocked = blocked_layout_available(config.torch_dtype, config.torch_device)
-    if config.weight_layout == "blocked" and not blocked:
+    layout = config.weight_layout
+    if layout == "blocked" and not blocked_layout_available(
+        config.torch_dtype, config.torch_device
+    ):
         raise ConfigError("weight_layout=blocked needs float32 on a CPU whose torch has oneDNN")
-    model = LlamaModel(
-        model_dir, config.torch_dtype, config.torch_device,
-        blocked=blocked and config.weight_layout != "plain",
-    )  # fmt: skip
+    blocked = {"auto": None, "blocked": True, "plain": False}[layout]  # None: where available
+    model = LlamaModel(model_dir, config.torch_dtype, config.torch_device, blocked=blocked)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model_id = config.model_id or model_name(model_dir, model.config)
     spec = model.spec

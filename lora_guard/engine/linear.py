@@ -29,12 +29,11 @@ def blocked_layout_available(dtype: torch.dtype, device: torch.device) -> bool:
 class Linear:
     """``y = x @ weight.T + bias`` for a weight given ``[out, in]``."""
 
-    __slots__ = ("_weight", "bias", "blocked", "out_features")
+    __slots__ = ("_weight", "bias", "blocked")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, blocked: bool) -> None:
         self.blocked = blocked
         self.bias = bias
-        self.out_features = weight.shape[0]
         self._weight = self._store(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
