@@ -1,7 +1,7 @@
 """Engine speed on one machine, as ratios from one run.
 
     python -m lora_guard.bench.engine [--model DIR --adapter-dir DIR] [--batches 1,8,32]
-                                      [--repeats N]
+                                      [--adapter-ids ID,ID] [--repeats N]
 
 Prints, for batch sizes 1, 8 and 32: the engine's decode step time for the base model alone and for
 a batch mixing 8 adapters (each the median of three runs, base and mixed in turn); the bytes floor
@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--adapters", type=int, default=8, help="adapters mixed in a batch")
+    parser.add_argument("--adapter-ids", help="the adapters mixed in a batch, by id, comma "
+                        "separated (default: the first --adapters of the folder)")  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--lora-compute", default="auto", choices=MODES)
@@ -189,6 +191,14 @@ def _bench(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     names = [adapter_id for adapter_id, _ in scan_adapter_dir(args.adapter_dir)][: args.adapters]
+    if args.adapter_ids:
+        served = {adapter_id for adapter_id, _ in scan_adapter_dir(args.adapter_dir)}
+        names = [n.strip() for n in args.adapter_ids.split(",") if n.strip()]
+        missing = [n for n in names if n not in served]
+        if missing or not names:
+            print(f"error: no adapter {missing[0] if missing else ''!r} in {args.adapter_dir}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
     batches = [int(b) for b in args.batches.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     nan = (float("nan"),) * 3

@@ -30,3 +30,18 @@ def test_the_engine_bench_runs_the_engine_and_peft_in_turn_and_prints_each_runs_
         assert row["engine_mixed_tokens_per_s"] > 0 and row["peft_mixed_tokens_per_s"] > 0
         assert row["speedup_over_peft"] == pytest.approx(sum(row["speedup_runs"]) / 2)
         assert f"batch {row['batch']}: mixed / floor" in printed
+
+
+def test_the_engine_bench_mixes_the_adapters_named_and_refuses_an_unknown_one(
+    tiny_model: Path, tiny_adapters: AdapterFactory, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    adapters = tiny_adapters(3, "pick", ranks=(4, 8), all_projections=True)
+    folder = str(next(iter(adapters.values())).parent)
+    chosen = sorted(adapters)[2]
+    argv = ["--model", str(tiny_model), "--adapter-dir", folder, "--adapter-ids", chosen,
+            "--batches", "1", "--new-tokens", "4", "--skip-peft"]  # fmt: skip
+    assert main(argv) == 0
+    assert f"mixed batches cycle over 1 adapters: {chosen};" in capsys.readouterr().out
+    assert main([*argv[:4], "--adapter-ids", "nobody", "--skip-peft"]) == 2
+    assert "no adapter 'nobody'" in capsys.readouterr().err

@@ -77,6 +77,37 @@ def test_the_kernel_computes_what_the_loop_does() -> None:
     assert torch.equal(fused, before)
 
 
+def test_large_adapters_split_between_threads_compute_what_the_loop_does() -> None:
+    # Big enough that the kernel cuts each A by rows and each B by columns across its threads;
+    # ranks and widths that are no multiple of four or sixteen, a decode and a prefill segment.
+    torch.manual_seed(1)
+    fan_in, widths, used = 600, (200, 90, 90), 0
+    pool = torch.randn(2_000_000)
+
+    def view(rows: int, cols: int) -> torch.Tensor:
+        nonlocal used
+        out = pool[used : used + rows * cols].view(rows, cols)
+        used += rows * cols
+        return out
+
+    def layers(rank: int) -> list[dict[str, ProjectionWeights]]:
+        a, parts, out0 = view(3 * rank, fan_in), [], 0
+        for i, width in enumerate(widths):
+            parts.append(ModulePart(i * rank, (i + 1) * rank, out0, out0 + width,
+                                    view(rank, width)))  # fmt: skip
+            out0 += width
+        return [{"qkv": ProjectionWeights(a, tuple(parts))}]
+
+    spans = [(0, 1, layers(62)), (1, 3, layers(33)), (3, 27, layers(17))]
+    segments = [LoraSegment(a, b, w, kernel_plan(w)) for a, b, w in spans]
+    x, base = torch.randn(27, fan_in), torch.randn(27, sum(widths))
+    looped, fused = base.clone(), base.clone()
+    LoraBatch(segments, "loop").apply(x, looped, 0, "qkv")
+    LoraBatch(segments, "kernel", pool).apply(x, fused, 0, "qkv")
+    assert torch.allclose(looped, fused, atol=1e-3, rtol=1e-4)
+    assert not torch.allclose(fused, base)
+
+
 def test_a_plan_that_points_outside_the_pool_is_refused_before_any_write() -> None:
     pool = torch.randn(4096)
     segments = pool_segments(pool)

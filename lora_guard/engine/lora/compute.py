@@ -29,6 +29,7 @@ from lora_guard.engine.model import FUSED_PROJECTIONS
 
 MODES = ("auto", "kernel", "loop", "batched")
 PROJECTIONS = tuple(FUSED_PROJECTIONS)
+_INDEX = {projection: i for i, projection in enumerate(PROJECTIONS)}
 MAX_PARTS = max(len(modules) for modules in FUSED_PROJECTIONS.values())
 _PLAN_WIDTH = 2 + 5 * MAX_PARTS  # a_offset, rows, then row0, row1, out0, out1, bt_offset a part
 
@@ -84,7 +85,12 @@ class LoraBatch:
             raise ValueError(f"lora compute mode must be one of {', '.join(MODES[1:])}")
         self.segments, self.mode, self.pool = segments, mode, pool
         if mode == "kernel":
+            if pool is None:
+                raise ValueError("the kernel reads the adapters' matrices from the pool")
+            self._arena: torch.Tensor = pool
             self._plan = _step_plan(segments)
+            # One view per layer and projection, made once a step: a call indexes a list.
+            self._plans = [list(layer.unbind(0)) for layer in self._plan.unbind(0)]
         # The flat batch cut once per projection into runs (one ``split``, not a slice per
         # segment): the segments' runs, and the tokens of no adapter between them.
         self._runs: list[int] = []
@@ -100,8 +106,7 @@ class LoraBatch:
     def apply(self, x: torch.Tensor, y: torch.Tensor, layer: int, projection: str) -> None:
         """Add the LoRA update of ``projection`` in ``layer`` to ``y`` in place."""
         if self.mode == "kernel":
-            assert self.pool is not None
-            kernel.lora_apply(x, y, self.pool, self._plan[layer, PROJECTIONS.index(projection)])
+            kernel.lora_apply(x, y, self._arena, self._plans[layer][_INDEX[projection]])
             return
         if self.mode == "batched":
             work = [(s, w) for s in self.segments if (w := s.layers[layer].get(projection))]

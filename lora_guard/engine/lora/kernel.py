@@ -62,7 +62,10 @@ def error() -> str | None:
 
 def lora_apply(x: torch.Tensor, y: torch.Tensor, pool: torch.Tensor, plan: torch.Tensor) -> None:
     """``y += `` the LoRA update of every segment in ``plan`` (see ``sgmv.cpp``)."""
-    torch.ops.lora_guard.lora_apply(x, y, pool, plan)
+    op = _state.get("op")
+    if op is None:
+        op = _state["op"] = torch.ops.lora_guard.lora_apply.default
+    op(x, y, pool, plan)  # type: ignore[operator]
 
 
 def main() -> int:

@@ -12,6 +12,7 @@
 // every resident adapter's pages.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -29,6 +30,7 @@ constexpr int64_t kPartFields = 5;
 constexpr int kStreamedTokens = 16;  // segments up to this long take the streaming loops
 constexpr int kLanes = 16;           // independent partial sums of a dot product (vectorized)
 constexpr int kColumnBlock = 512;    // output columns an expand keeps in L1 at a time
+constexpr int64_t kTeamWork = 48 * 1024 * (1 + kStreamedTokens);  // pieces' cost: ~192 KB, 1 token
 
 // Built for AVX-512, AVX2 + FMA and plain x86-64; the loader picks what the CPU has.
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -51,61 +53,76 @@ inline float total(Lanes v) {
     return sum;
 }
 
-// out[m, j] = dot(x[m], a[j]) for the n token rows of x and the rows of a (row-major [rows, k]);
-// four token rows at a time, so each piece of a row read from memory serves all four.
-LORA_CLONES
-void shrink_streamed(int n, int rows, int k, const float *__restrict a,
-                     const float *__restrict x, int64_t ldx, float *__restrict out) {
+// out[m * ldo + j] = dot(x[m], a[j]) for N token rows of x and rows j0..j1 of a (row-major,
+// k wide), R rows of a at a time: every element of a read from memory serves all N tokens, and
+// the N * R sums run as independent chains of sixteen lanes each.
+template <int N, int R>
+LORA_CLONES void shrink_rows(int j0, int j1, int k, const float *__restrict a,
+                             const float *__restrict x, int64_t ldx, float *__restrict out,
+                             int ldo) {
     const int whole = k - k % kLanes;
-    for (int j = 0; j < rows; ++j) {
-        const float *aj = a + static_cast<int64_t>(j) * k;
-        int m = 0;
-        for (; m + 4 <= n; m += 4) {
-            const float *x0 = x + m * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
-            Lanes s0 = {}, s1 = {}, s2 = {}, s3 = {};
-            for (int i = 0; i < whole; i += kLanes) {
-                const Lanes w = load(aj + i);
-                s0 += load(x0 + i) * w;
-                s1 += load(x1 + i) * w;
-                s2 += load(x2 + i) * w;
-                s3 += load(x3 + i) * w;
+    int j = j0;
+    for (; j + R <= j1; j += R) {
+        const float *r0 = a + static_cast<int64_t>(j) * k;
+        Lanes s[N][R] = {};
+        for (int i = 0; i < whole; i += kLanes) {
+            Lanes w[R];
+            for (int r = 0; r < R; ++r) w[r] = load(r0 + r * k + i);
+            for (int m = 0; m < N; ++m) {
+                const Lanes v = load(x + m * ldx + i);
+                for (int r = 0; r < R; ++r) s[m][r] += v * w[r];
             }
-            float t0 = total(s0), t1 = total(s1), t2 = total(s2), t3 = total(s3);
-            for (int i = whole; i < k; ++i) {
-                t0 += x0[i] * aj[i];
-                t1 += x1[i] * aj[i];
-                t2 += x2[i] * aj[i];
-                t3 += x3[i] * aj[i];
-            }
-            out[m * rows + j] = t0;
-            out[(m + 1) * rows + j] = t1;
-            out[(m + 2) * rows + j] = t2;
-            out[(m + 3) * rows + j] = t3;
         }
-        for (; m < n; ++m) {
+        for (int m = 0; m < N; ++m) {
             const float *xm = x + m * ldx;
-            Lanes s0 = {};
-            for (int i = 0; i < whole; i += kLanes) s0 += load(xm + i) * load(aj + i);
-            float t0 = total(s0);
-            for (int i = whole; i < k; ++i) t0 += xm[i] * aj[i];
-            out[m * rows + j] = t0;
+            for (int r = 0; r < R; ++r) {
+                float t = total(s[m][r]);
+                for (int i = whole; i < k; ++i) t += xm[i] * r0[r * k + i];
+                out[m * ldo + j + r] = t;
+            }
         }
+    }
+    if constexpr (R > 1) shrink_rows<N, 1>(j, j1, k, a, x, ldx, out, ldo);
+}
+
+// shrink_rows for n tokens: four rows of a at a time for one or two tokens (four chains or
+// eight), one row for more (four tokens x four rows spilled registers: 1.4x slower, measured).
+void shrink_streamed(int n, int j0, int j1, int k, const float *a, const float *x, int64_t ldx,
+                     float *out, int ldo) {
+    int m = 0;
+    for (; m + 4 <= n; m += 4) shrink_rows<4, 1>(j0, j1, k, a, x + m * ldx, ldx, out + m * ldo, ldo);
+    switch (n - m) {
+        case 3: shrink_rows<3, 1>(j0, j1, k, a, x + m * ldx, ldx, out + m * ldo, ldo); break;
+        case 2: shrink_rows<2, 4>(j0, j1, k, a, x + m * ldx, ldx, out + m * ldo, ldo); break;
+        case 1: shrink_rows<1, 4>(j0, j1, k, a, x + m * ldx, ldx, out + m * ldo, ldo); break;
+        default: break;
     }
 }
 
-// y[m, :width] += sum_j s[m, j] * bt[j, :width] for the n token rows, bt row-major [rank, width]:
-// each row of bt is read once, in order, and added to every token row (kept in L1 by blocks).
+// y[m, o0:o1] += sum_j s[m, j] * bt[j, o0:o1] for the n token rows, bt row-major [rank, ldb]:
+// four rows of bt at a time are added to each token row (kept in L1 by blocks of columns).
 LORA_CLONES
-void expand_streamed(int n, int rank, int width, const float *__restrict bt,
+void expand_streamed(int n, int rank, int o0, int o1, const float *__restrict bt, int64_t ldb,
                      const float *__restrict s, int lds, float *__restrict y, int64_t ldy) {
-    for (int o0 = 0; o0 < width; o0 += kColumnBlock) {
-        const int o1 = o0 + kColumnBlock < width ? o0 + kColumnBlock : width;
-        for (int j = 0; j < rank; ++j) {
-            const float *bj = bt + static_cast<int64_t>(j) * width;
+    for (int c0 = o0; c0 < o1; c0 += kColumnBlock) {
+        const int c1 = c0 + kColumnBlock < o1 ? c0 + kColumnBlock : o1;
+        int j = 0;
+        for (; j + 4 <= rank; j += 4) {
+            const float *b0 = bt + j * ldb, *b1 = b0 + ldb, *b2 = b1 + ldb, *b3 = b2 + ldb;
             for (int m = 0; m < n; ++m) {
-                const float c = s[m * lds + j];
+                const float *sm = s + m * lds + j;
+                const float e0 = sm[0], e1 = sm[1], e2 = sm[2], e3 = sm[3];
                 float *ym = y + m * ldy;
-                for (int o = o0; o < o1; ++o) ym[o] += c * bj[o];
+                for (int o = c0; o < c1; ++o)
+                    ym[o] += e0 * b0[o] + e1 * b1[o] + e2 * b2[o] + e3 * b3[o];
+            }
+        }
+        for (; j < rank; ++j) {
+            const float *bj = bt + j * ldb;
+            for (int m = 0; m < n; ++m) {
+                const float e = s[m * lds + j];
+                float *ym = y + m * ldy;
+                for (int o = c0; o < c1; ++o) ym[o] += e * bj[o];
             }
         }
     }
@@ -117,6 +134,47 @@ void gemm(bool transpose_a, int m, int n, int k, const float *a, int lda, const 
     const char ta = transpose_a ? 'T' : 'N', tb = 'N';
     const float alpha = 1.0f;
     sgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+
+// A piece of one phase's work: rows begin:end of a segment's A (part -1), or columns begin:end
+// of one part's B.
+struct Piece {
+    int64_t segment, part;
+    int begin, end;
+    int64_t cost;
+};
+
+// Cuts 0:size into up to ``threads`` pieces of whole multiples of ``step`` (the last takes the
+// rest), each costing ``unit_cost`` per row or column.
+void split(std::vector<Piece> &pieces, int64_t segment, int64_t part, int64_t size, int64_t step,
+           int64_t unit_cost, int threads) {
+    const int64_t steps = (size + step - 1) / step;
+    const int64_t count = std::max<int64_t>(1, std::min<int64_t>(threads, steps));
+    int64_t begin = 0;
+    for (int64_t i = 0; i < count; ++i) {
+        const int64_t end = i + 1 == count ? size : begin + (steps * (i + 1) / count - steps * i / count) * step;
+        if (end > begin)
+            pieces.push_back({segment, part, static_cast<int>(begin), static_cast<int>(end),
+                              (end - begin) * unit_cost});
+        begin = end;
+    }
+}
+
+// The pieces dealt to threads, the costliest first to the least loaded; no empty shares.
+std::vector<std::vector<const Piece *>> deal(const std::vector<Piece> &pieces, int threads) {
+    std::vector<const Piece *> order;
+    for (const auto &piece : pieces) order.push_back(&piece);
+    std::sort(order.begin(), order.end(),
+              [](const Piece *l, const Piece *r) { return l->cost > r->cost; });
+    const size_t team = std::min<size_t>(static_cast<size_t>(threads), order.size());
+    std::vector<std::vector<const Piece *>> share(team);
+    std::vector<int64_t> load(team, 0);
+    for (const Piece *piece : order) {
+        const auto t = std::min_element(load.begin(), load.end()) - load.begin();
+        share[t].push_back(piece);
+        load[t] += piece->cost;
+    }
+    return share;
 }
 
 void lora_apply(const at::Tensor &x, const at::Tensor &y, const at::Tensor &pool,
@@ -162,69 +220,87 @@ void lora_apply(const at::Tensor &x, const at::Tensor &y, const at::Tensor &pool
     float *ys = y.data_ptr<float>();
     const float *weights = pool.data_ptr<float>();
     const int64_t ldx = x.stride(0), ldy = y.stride(0);
-    // Segments write disjoint rows of y, so they run in parallel.
-    auto apply_segment = [&](int64_t s, std::vector<float> &shrunk) {
+    const int threads = std::max(1, at::get_num_threads());
+
+    // Every segment's shrunk rows ([n, rows], row-major) in one buffer.
+    std::vector<int64_t> shrunk_at(segments + 1, 0);
+    for (int64_t s = 0; s < segments; ++s) {
         const int64_t *p = rows_of + s * width;
-        const int n = static_cast<int>(p[1] - p[0]);
-        const int rank_rows = static_cast<int>(p[3]);
-        if (n == 0 || rank_rows == 0) return;
-        const bool streamed = n <= kStreamedTokens;
-        shrunk.resize(static_cast<size_t>(n) * rank_rows);
-        // shrunk (row-major [n, rows]) = x_seg @ A.T, A row-major [rows, in].
-        if (streamed) {
-            shrink_streamed(n, rank_rows, static_cast<int>(fan_in), weights + p[2],
-                            xs + p[0] * ldx, ldx, shrunk.data());
-        } else {
-            gemm(true, rank_rows, n, static_cast<int>(fan_in), weights + p[2],
-                 static_cast<int>(fan_in), xs + p[0] * ldx, static_cast<int>(ldx), 0.0f,
-                 shrunk.data(), rank_rows);
-        }
+        shrunk_at[s + 1] = shrunk_at[s] + (p[1] - p[0]) * p[3];
+    }
+    thread_local std::vector<float> buffer;  // the calling thread's, kept between calls
+    buffer.resize(static_cast<size_t>(shrunk_at[segments]));
+    float *shrunk = buffer.data();  // the team's threads write it through this pointer
+
+    // Two phases, each matrix cut into one piece per thread (rows of A, then columns of each B),
+    // so both threads stream even when one adapter is in the batch; the pieces go to threads by
+    // cost, the costliest first to the least loaded (adapters of ranks 8 to 64, on four
+    // projections or seven, differ in bytes sixteenfold).
+    std::vector<Piece> shrinks, expands;
+    for (int64_t s = 0; s < segments; ++s) {
+        const int64_t *p = rows_of + s * width;
+        const int64_t n = p[1] - p[0], rank_rows = p[3];
+        if (n == 0 || rank_rows == 0) continue;
+        split(shrinks, s, -1, rank_rows, 4, fan_in * (n + kStreamedTokens), threads);
         for (int64_t j = 0; j < parts; ++j) {
             const int64_t *q = p + kHead + j * kPartFields;
             if (q[1] == q[0]) continue;
-            const int rank = static_cast<int>(q[1] - q[0]);
-            const int width_out = static_cast<int>(q[3] - q[2]);
-            // y_seg[:, out0:out1] += shrunk[:, row0:row1] @ Bt, Bt row-major [rank, out].
-            if (streamed) {
-                expand_streamed(n, rank, width_out, weights + q[4], shrunk.data() + q[0],
-                                rank_rows, ys + p[0] * ldy + q[2], ldy);
-                continue;
-            }
-            gemm(false, width_out, n, rank, weights + q[4], width_out,
-                 shrunk.data() + q[0], rank_rows, 1.0f, ys + p[0] * ldy + q[2],
-                 static_cast<int>(ldy));
+            split(expands, s, j, q[3] - q[2], kLanes, (q[1] - q[0]) * (n + kStreamedTokens),
+                  threads);
         }
+    }
+    auto shrink = [&](const Piece &piece) {
+        const int64_t *p = rows_of + piece.segment * width;
+        const int n = static_cast<int>(p[1] - p[0]), rank_rows = static_cast<int>(p[3]);
+        const float *a = weights + p[2], *xs_seg = xs + p[0] * ldx;
+        float *out = shrunk + shrunk_at[piece.segment];
+        if (n <= kStreamedTokens) {
+            shrink_streamed(n, piece.begin, piece.end, static_cast<int>(fan_in), a, xs_seg, ldx,
+                            out, rank_rows);
+            return;
+        }
+        // out[:, begin:end] (column-major [rows, n], leading dimension rows) = A[begin:end] @ x.T
+        gemm(true, piece.end - piece.begin, n, static_cast<int>(fan_in),
+             a + static_cast<int64_t>(piece.begin) * fan_in, static_cast<int>(fan_in), xs_seg,
+             static_cast<int>(ldx), 0.0f, out + piece.begin, rank_rows);
     };
-    // Whole segments to threads, the costliest first to the least loaded thread: adapters of
-    // ranks 8 to 64, on four projections or seven, differ in bytes sixteenfold, and an even
-    // split by count would leave one thread idle while the other finishes.
-    const int64_t threads =
-        std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), segments));
-    std::vector<int64_t> cost(segments), order(segments);
-    for (int64_t s = 0; s < segments; ++s) {
-        const int64_t *p = rows_of + s * width;
-        int64_t bytes = p[3] * fan_in;
-        for (int64_t j = 0; j < parts; ++j) {
-            const int64_t *q = p + kHead + j * kPartFields;
-            bytes += (q[1] - q[0]) * (q[3] - q[2]);
+    auto expand = [&](const Piece &piece) {
+        const int64_t *p = rows_of + piece.segment * width;
+        const int64_t *q = p + kHead + piece.part * kPartFields;
+        const int n = static_cast<int>(p[1] - p[0]), rank_rows = static_cast<int>(p[3]);
+        const int rank = static_cast<int>(q[1] - q[0]), ldb = static_cast<int>(q[3] - q[2]);
+        const float *bt = weights + q[4];
+        const float *s = shrunk + shrunk_at[piece.segment] + q[0];
+        float *y_seg = ys + p[0] * ldy + q[2];
+        if (n <= kStreamedTokens) {
+            expand_streamed(n, rank, piece.begin, piece.end, bt, ldb, s, rank_rows, y_seg, ldy);
+            return;
         }
-        cost[s] = bytes * (p[1] - p[0] + kStreamedTokens);  // reading, plus each token's work
-        order[s] = s;
+        // y[:, begin:end] += shrunk[:, row0:row1] @ Bt[:, begin:end], all column-major here.
+        gemm(false, piece.end - piece.begin, n, rank, bt + piece.begin, ldb, s, rank_rows, 1.0f,
+             y_seg + piece.begin, static_cast<int>(ldy));
+    };
+    // Below this much to read, a team's start and barrier cost more than a second thread saves.
+    int64_t floats = 0;
+    for (const auto &piece : shrinks) floats += piece.cost;
+    for (const auto &piece : expands) floats += piece.cost;
+    const int dealt = floats < kTeamWork ? 1 : threads;
+    const auto shrink_share = deal(shrinks, dealt), expand_share = deal(expands, dealt);
+    const int team = static_cast<int>(std::max(shrink_share.size(), expand_share.size()));
+    if (team <= 1) {
+        for (const auto &piece : shrinks) shrink(piece);
+        for (const auto &piece : expands) expand(piece);
+        return;
     }
-    std::sort(order.begin(), order.end(), [&](int64_t l, int64_t r) { return cost[l] > cost[r]; });
-    std::vector<std::vector<int64_t>> share(threads);
-    std::vector<int64_t> load(threads, 0);
-    for (const int64_t s : order) {
-        const auto t = std::min_element(load.begin(), load.end()) - load.begin();
-        share[t].push_back(s);
-        load[t] += cost[s];
+#pragma omp parallel num_threads(team)
+    {
+        const size_t t = static_cast<size_t>(omp_get_thread_num());
+        if (t < shrink_share.size())
+            for (const Piece *piece : shrink_share[t]) shrink(*piece);
+#pragma omp barrier
+        if (t < expand_share.size())
+            for (const Piece *piece : expand_share[t]) expand(*piece);
     }
-    at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
-        std::vector<float> shrunk;
-        for (int64_t t = first; t < last; ++t) {
-            for (const int64_t s : share[t]) apply_segment(s, shrunk);
-        }
-    });
 }
 
 }  // namespace
