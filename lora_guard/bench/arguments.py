@@ -72,6 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--seed", type=int, dest="seeds", action=_OneSeed, help="one seed: --seeds N")
     add(
+        "--turns",
+        type=_positive,
+        default=1,
+        help="replays of each seed's trace by every scheme, the order of the schemes rotated "
+        "each time (2 with two schemes: A B, then B A); each turn is a run of the report's medians",
+    )
+    add(
         "--max-loras",
         type=int,
         default=0,
@@ -114,6 +121,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--peer-port", type=int, default=8701, help="loopback port for the peer")
     add("--json", type=Path, metavar="FILE", help="write the report as JSON")
     add("--plots", type=Path, metavar="DIR", help="write PNG plots (needs matplotlib)")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
 
 
 def _seeds(text: str) -> list[int]:

@@ -1,5 +1,6 @@
-"""The compass: lora-guard's figures against their targets, each a ratio within one seed's run
-(to static, to its own hit bound, to a peer), then the median over the seeds."""
+"""The compass: lora-guard's figures against their targets, each a ratio within one run (a seed's
+trace replayed by every scheme, once per ``--turns``: to static, to its own hit bound, to a peer),
+then the median over the runs."""
 
 from __future__ import annotations
 
@@ -67,13 +68,14 @@ def _value(target: Target, schemes: dict[str, dict[str, Any]]) -> float | None:
     return value / float(reference[target.reference_key])
 
 
-def compass_lines(found: dict[str, dict[str, Any]], seeds: int) -> list[str]:
+def compass_lines(found: dict[str, dict[str, Any]], seeds: int, turns: int = 1) -> list[str]:
     """A line a target: ``lora-guard tail tok/s vs static: 0.49 (0.45-0.52, 3 seeds), target
-    >= 0.9: missed``."""
+    >= 0.9: missed`` (``3 seeds x 2 turns`` with ``--turns 2``)."""
+    runs = f"{seeds} seed{'s' if seeds > 1 else ''}" + (f" x {turns} turns" if turns > 1 else "")
     lines = []
     for name, figure in found.items():
         low, high = figure["spread"]
-        spread = f" ({low:.3g}-{high:.3g}, {seeds} seeds)" if seeds > 1 else ""
+        spread = f" ({low:.3g}-{high:.3g}, {runs})" if seeds * turns > 1 else ""
         verdict = "met" if figure["met"] else "missed"
         lines.append(f"{SUBJECT} {name}: {figure['value']:.3g}{spread}, target {figure['target']}: "
                      f"{verdict}")  # fmt: skip

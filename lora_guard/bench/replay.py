@@ -161,7 +161,8 @@ def replay_scheme(
     recorder = BindRecorder(start, engine.adapters.merged_mode)
     engine.hooks.pm.register(recorder, name="bench-lookups")
     memory = MemoryWatch(engine)
-    records = _replay(engine, trace, start, memory)
+    steps: list[StepRecord] = []
+    records = _replay(engine, trace, start, memory, steps)
     duration = time.monotonic() - start
     engine.check_no_leaks()
     cold_after = _cold_load_counts(engine)
@@ -182,7 +183,7 @@ def replay_scheme(
         served=[r.adapter_id for r in trace],
         binds=recorder.ordered_binds(),
         start_resident=start_resident,
-        steps=[s for s in engine.stats.recent_steps if s.step > steps_before],
+        steps=[s for s in steps if s.step > steps_before],
     )
     engine.shutdown()
     return run
@@ -200,8 +201,14 @@ def _served_by(request: TraceRequest, adapter: str | None) -> TraceRequest:
 
 
 def _replay(
-    engine: LLMEngine, trace: list[TraceRequest], start: float, memory: MemoryWatch
+    engine: LLMEngine,
+    trace: list[TraceRequest],
+    start: float,
+    memory: MemoryWatch,
+    steps: list[StepRecord] | None = None,
 ) -> list[RequestRecord]:
+    """Replay ``trace`` in real time; every step's record is added to ``steps`` (the engine
+    keeps only its recent ones)."""
     records = {r.id: RequestRecord(r.id, r.adapter_id, r.time) for r in trace}
     by_id = {r.id: r for r in trace}
     due: list[tuple[float, int, str]] = [(r.time, i, r.id) for i, r in enumerate(trace)]
@@ -230,6 +237,10 @@ def _replay(
             continue
         outputs = engine.step()
         memory.sample()
+        if steps is not None and engine.stats.recent_steps:
+            last = engine.stats.recent_steps[-1]
+            if not steps or last.step > steps[-1].step:
+                steps.append(last)
         now = time.monotonic() - start
         for out in outputs:
             record = records[attempt_of[out.request_id]]

@@ -104,7 +104,32 @@ def summarize(
         "fleet_memory_mib": fleet,
         "seeds": seeds,
         "duration_s": run.duration_s,
+        "steps": step_summary(run),
     }
+
+
+def step_summary(run: SchemeRun) -> dict[str, Any] | None:
+    """Where the engine's steps went: their count, the prompt tokens they computed, and the step
+    time fitted to ``fixed + per request + per MiB of adapter weights read + per prefill token``
+    (None without step records, or too few to fit)."""
+    from lora_guard.simulate_costs import fit_steps
+
+    if not run.steps:
+        return None
+    summary: dict[str, Any] = {
+        "steps": len(run.steps),
+        "mean_step_ms": 1000 * sum(s.seconds for s in run.steps) / len(run.steps),
+        "prefill_tokens": sum(s.prefill_tokens for s in run.steps),
+        "mean_requests": sum(s.seqs for s in run.steps) / len(run.steps),
+        "mean_adapters": sum(s.adapters for s in run.steps) / len(run.steps),
+    }
+    names = ("fit_fixed_ms", "fit_per_request_ms", "fit_per_adapter_mib_ms",
+             "fit_per_prefill_token_ms")  # fmt: skip
+    try:
+        coefficients: tuple[float | None, ...] = fit_steps(run.steps).coefficients
+    except ValueError:
+        coefficients = (None,) * len(names)
+    return summary | dict(zip(names, coefficients, strict=True))
 
 
 # Counts add up over seeds; every other figure is the median of the seeds' figures.
@@ -127,7 +152,7 @@ def aggregate(per_seed: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[s
                 seeds = [seed for value in values for seed in value or ()]
                 summary[key] = seeds or None
             elif isinstance(first, dict):
-                summary[key] = {k: _combine(k in _SUMMED, [v.get(k) for v in values])
+                summary[key] = {k: _combine(k in _SUMMED, [(v or {}).get(k) for v in values])
                                 for k in first}  # fmt: skip
             else:
                 summary[key] = _combine(key in _SUMMED, values)

@@ -1,8 +1,11 @@
 """``lora-guard bench``: replay one multi-adapter trace against each scheme and print the table.
 
 Each scheme runs in a fresh process, one after another, so that its memory peak is its own and
-no state carries over. Then the oracle (each request's greedy tokens, alone) is computed, and every
-scheme's outputs are compared with it.
+no state carries over. Replay ``i`` (over the seeds, and ``--turns`` per seed) runs the schemes in
+the order given rotated by ``i``, so no scheme always replays first: this machine's speed drifts
+between replays minutes apart, and a fixed order hands the drift to the same scheme every time.
+Then the oracle (each request's greedy tokens, alone) is computed, and every scheme's outputs are
+compared with it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from statistics import median_low
 from typing import Any, TypeVar
@@ -67,6 +70,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if not args.load > 0:
         print(f"error: --load must be positive, got {args.load}", file=sys.stderr)
         return 2
+    if args.target and args.turns > 1:
+        print("error: --turns replays the schemes run here; a --target run is one scheme",
+              file=sys.stderr)  # fmt: skip
+        return 2
     with tempfile.TemporaryDirectory(prefix="lora-guard-bench-") as scratch:
         try:
             if args.target:
@@ -80,10 +87,14 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     summaries = aggregate(per_seed)
     targets = compass(per_seed)
     print(markdown_table(summaries))
+    seeds = list(dict.fromkeys(part.seed for part in bench.parts))
+    turns = len(per_seed) // len(seeds)
     if len(per_seed) > 1:
-        seeds = ", ".join(str(part.seed) for part in bench.parts)
-        print(f"\nmedians over {len(per_seed)} seeds ({seeds}); the JSON has each spread")
-    print("\n" + "\n".join(compass_lines(targets, len(per_seed))))
+        runs = ", ".join(f"{part.seed}" + (f"/{part.turn}" if turns > 1 else "")
+                         for part in bench.parts)  # fmt: skip
+        what = "seed/turn" if turns > 1 else "seeds"
+        print(f"\nmedians over {len(per_seed)} runs ({what} {runs}); the JSON has each spread")
+    print("\n" + "\n".join(compass_lines(targets, len(seeds), turns)))
     report = {
         "command": "lora-guard " + " ".join(argv),
         "workload": _workloads(bench, args),
@@ -91,7 +102,13 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         "schemes": summaries,
         "compass": targets,
         "per_seed": [
-            {"seed": part.seed, "workload": _workload(part.trace), "schemes": one}
+            {
+                "seed": part.seed,
+                "turn": part.turn,
+                "order": part.order,
+                "workload": _workload(part.trace),
+                "schemes": one,
+            }
             for part, one in zip(bench.parts, per_seed, strict=True)
         ],
         "duration_s": time.monotonic() - started,
@@ -129,6 +146,14 @@ class SeedRun:
     trace: list[TraceRequest]
     runs: dict[str, SchemeRun]
     mismatches: dict[str, int]
+    turn: int = 0  # which of the seed's ``--turns``
+    order: list[str] = field(default_factory=list)  # the order the schemes replayed in
+
+
+def replay_order(schemes: Sequence[str], replay: int) -> list[str]:
+    """The schemes in the order replay number ``replay`` runs them: rotated by ``replay``."""
+    shift = replay % len(schemes) if schemes else 0
+    return [*schemes[shift:], *schemes[:shift]]
 
 
 @dataclass
@@ -171,7 +196,7 @@ def _in_process(
                            f"{spec.rate:.3g} arrivals/s outside bursts")  # fmt: skip
     elif args.rate is not None:
         spec = replace(spec, rate=args.rate)
-    parts = []
+    parts: list[SeedRun] = []
     engine: dict[str, Any] = {}
     for seed in _seeds(args):
         trace = _trace(args, spec if seed is None else replace(spec, seed=seed), ids, seed)
@@ -184,25 +209,34 @@ def _in_process(
         seats = f"{options.max_loras} seats" if options.max_loras else "no seat cap"
         _progress(started, f"{what}{_describe(trace)}; {seats}; static serves "
                            f"{static_id}")  # fmt: skip
-        runs: dict[str, SchemeRun] = {}
-        for scheme in schemes:
-            _progress(started, f"{what}replaying {len(trace)} requests on {scheme}")
-            if scheme == "peft":
-                runs[scheme] = _call(isolated, replay_peft, trace, seed_options)
-            else:
-                runs[scheme] = _call(
-                    isolated, replay_scheme, scheme, trace, seed_options, static_id
-                )
-        if args.peer == "vllm":
-            from lora_guard.bench.vllm_peer import peer_python, replay_vllm
+        turns: list[SeedRun] = []
+        for turn in range(args.turns):
+            order = replay_order(schemes, len(parts) + turn)
+            which = f"{what}turn {turn + 1} of {args.turns}: " if args.turns > 1 else what
+            runs: dict[str, SchemeRun] = {}
+            for scheme in order:
+                _progress(started, f"{which}replaying {len(trace)} requests on {scheme}")
+                if scheme == "peft":
+                    runs[scheme] = _call(isolated, replay_peft, trace, seed_options)
+                else:
+                    runs[scheme] = _call(
+                        isolated, replay_scheme, scheme, trace, seed_options, static_id
+                    )
+            if args.peer == "vllm":
+                from lora_guard.bench.vllm_peer import peer_python, replay_vllm
 
-            python = peer_python(args.peer_python, log=lambda msg: _progress(started, msg))
-            _progress(started, f"{what}replaying {len(trace)} requests on vLLM ({python})")
-            runs["vllm"] = replay_vllm(trace, seed_options, python, args.peer_port,
-                                       scratch / "vllm.log")  # fmt: skip
+                python = peer_python(args.peer_python, log=lambda msg: _progress(started, msg))
+                _progress(started, f"{which}replaying {len(trace)} requests on vLLM ({python})")
+                runs["vllm"] = replay_vllm(trace, seed_options, python, args.peer_port,
+                                           scratch / "vllm.log")  # fmt: skip
+            runs = {name: runs[name] for name in [*schemes, "vllm"] if name in runs}
+            turns.append(SeedRun(seed, trace, runs, {}, turn, order))
         _progress(started, f"{what}computing the oracle")
-        mismatches = _oracle_mismatches(runs, trace, seed_options, static_id, isolated)
-        parts.append(SeedRun(seed, trace, runs, mismatches))
+        mismatches = _oracle_mismatches([t.runs for t in turns], trace, seed_options, static_id,
+                                        isolated)  # fmt: skip
+        for one, found in zip(turns, mismatches, strict=True):
+            one.mismatches = found
+        parts.extend(turns)
         # Folder names, not paths: the report is meant to be shared.
         engine = asdict(seed_options) | {"model": Path(options.model).name,
                                          "adapter_dir": Path(options.adapter_dir).name,
@@ -323,29 +357,35 @@ def _call(isolated: bool, fn: Callable[..., T], *args: Any) -> T:
 
 
 def _oracle_mismatches(
-    runs: dict[str, SchemeRun],
+    turns: list[dict[str, SchemeRun]],
     trace: list[TraceRequest],
     options: EngineOptions,
     static_id: str,
     isolated: bool,
-) -> dict[str, int]:
-    """Per scheme, the requests whose tokens differ from the same request run alone."""
+) -> list[dict[str, int]]:
+    """Per turn and scheme, the requests whose tokens differ from the same request run alone
+    (one oracle for every turn of the trace)."""
     requests: dict[str, OracleRequest] = {}
-    for name in runs:
+    for name in {name for runs in turns for name in runs}:
         served = static_id if name == "static" else None
         for request in trace:
             adapter = served or request.adapter_id
             key = f"{request.id}@{adapter}"
             requests[key] = OracleRequest(key, request.prompt, adapter, request.max_new_tokens)
     oracle = _call(isolated, oracle_tokens, list(requests.values()), options)
-    by_scheme = {name: _differing(run, oracle, static_id) for name, run in runs.items()}
-    doubtful = sorted({key for keys in by_scheme.values() for key in keys})
+
+    def differing() -> list[dict[str, list[str]]]:
+        return [{name: _differing(run, oracle, static_id) for name, run in runs.items()}
+                for runs in turns]  # fmt: skip
+
+    found = differing()
+    doubtful = sorted({key for by_scheme in found for keys in by_scheme.values() for key in keys})
     if doubtful:
         print(f"running {len(doubtful)} requests alone to confirm ...", file=sys.stderr)
         alone = _call(isolated, oracle_tokens, [requests[k] for k in doubtful], options, True)
         oracle.update(alone)
-        by_scheme = {name: _differing(run, oracle, static_id) for name, run in runs.items()}
-    return {name: len(keys) for name, keys in by_scheme.items()}
+        found = differing()
+    return [{name: len(keys) for name, keys in by_scheme.items()} for by_scheme in found]
 
 
 def _differing(run: SchemeRun, oracle: dict[str, list[int]], static_id: str) -> list[str]:

@@ -106,3 +106,38 @@ def test_an_unknown_scheme_is_refused_before_anything_runs() -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert "unknown scheme 'magic'" in done.stderr
+
+
+def test_turns_replay_the_trace_again_with_the_schemes_in_the_other_order(
+    tmp_path: Path,
+) -> None:
+    report = tmp_path / "turns.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "lora_guard.cli", "bench", "--quick", "--schemes",
+         "static,lora-guard", "--turns", "2", "--json", str(report)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(report.read_text())
+    runs = [(p["seed"], p["turn"], p["order"]) for p in found["per_seed"]]
+    assert runs == [(0, 0, ["static", "lora-guard"]), (0, 1, ["lora-guard", "static"])]
+    for part in found["per_seed"]:
+        assert list(part["schemes"]) == ["static", "lora-guard"]  # reported in the order given
+        assert part["schemes"]["lora-guard"]["completed"] == 32
+    tail = found["compass"]["tail tok/s vs static"]
+    assert len(tail["per_seed"]) == 2 and tail["spread"] == [min(tail["per_seed"]),
+                                                             max(tail["per_seed"])]  # fmt: skip
+    assert found["schemes"]["lora-guard"]["completed"] == 64  # both turns' requests
+    steps = found["per_seed"][0]["schemes"]["lora-guard"]["steps"]
+    assert steps["steps"] > 0 and steps["prefill_tokens"] > 0 and steps["mean_adapters"] > 0
+    assert steps["fit_per_prefill_token_ms"] is not None
+    assert found["per_seed"][0]["schemes"]["static"]["steps"]["mean_adapters"] == 0
+    assert "1 seed x 2 turns" in done.stdout
+
+
+def test_turns_are_refused_against_a_target_and_must_be_positive() -> None:
+    for argv, message in ((["--target", "http://127.0.0.1:9", "--turns", "2"], "--turns"),
+                          (["--quick", "--turns", "0"], "at least 1")):  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "lora_guard.cli", "bench", *argv],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]

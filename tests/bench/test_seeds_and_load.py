@@ -10,6 +10,7 @@ from lora_guard.bench.arguments import add_arguments
 from lora_guard.bench.capacity import Capacity, arrival_rate, mean_rate_factor
 from lora_guard.bench.compass import compass, compass_lines
 from lora_guard.bench.report import aggregate
+from lora_guard.bench.run import replay_order
 from lora_guard.bench.workload import WorkloadSpec, make_trace
 
 
@@ -55,6 +56,16 @@ def test_the_compass_divides_within_each_seed_before_taking_the_median() -> None
     assert "tok/s vs vllm" not in found  # no vllm run, nothing claimed
     lines = compass_lines(found, seeds=2)
     assert "lora-guard tail tok/s vs static: 0.75 (0.5-1, 2 seeds), target >= 0.9: missed" in lines
+    assert "(0.5-1, 1 seed x 2 turns)" in compass_lines(found, seeds=1, turns=2)[0]
+
+
+def test_each_replay_rotates_the_schemes_so_none_always_goes_first() -> None:
+    assert replay_order(["static", "lora-guard"], 0) == ["static", "lora-guard"]
+    assert replay_order(["static", "lora-guard"], 1) == ["lora-guard", "static"]
+    three = ["static", "lora-guard", "lru"]
+    orders = [replay_order(three, i) for i in range(3)]
+    for position in range(3):
+        assert sorted(order[position] for order in orders) == sorted(three)
 
 
 def test_the_hit_rate_is_held_against_its_own_bound() -> None:

@@ -4,7 +4,9 @@
 // (SGMV's grouping, on the CPU). A segment of a few tokens (a decode step's) streams each matrix
 // once and uses every element it reads for all the segment's tokens: BLAS would copy the matrix
 // into its packed layout first, reading the bytes twice. Longer segments (prefill) call the BLAS
-// sgemm that torch.mm calls.
+// sgemm that torch.mm calls. Every shrink runs first, then every expand, with each A cut into a
+// piece of rows per thread and each B into a piece of columns per thread, so all threads read
+// even when a step holds one adapter.
 //
 // ``plan`` is int64 [segments, 4 + 5 * parts]: start, end, a_offset, rows, then per part row0,
 // row1, out0, out1, bt_offset (row1 == row0: no such part; rows == 0: the adapter has no weights
@@ -30,7 +32,8 @@ constexpr int64_t kPartFields = 5;
 constexpr int kStreamedTokens = 16;  // segments up to this long take the streaming loops
 constexpr int kLanes = 16;           // independent partial sums of a dot product (vectorized)
 constexpr int kColumnBlock = 512;    // output columns an expand keeps in L1 at a time
-constexpr int64_t kTeamWork = 48 * 1024 * (1 + kStreamedTokens);  // pieces' cost: ~192 KB, 1 token
+// Below this cost (48 Ki floats, 192 KB, read for one token) one thread does a call's work.
+constexpr int64_t kTeamWork = 48 * 1024 * (1 + kStreamedTokens);
 
 // Built for AVX-512, AVX2 + FMA and plain x86-64; the loader picks what the CPU has.
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -86,11 +89,12 @@ LORA_CLONES void shrink_rows(int j0, int j1, int k, const float *__restrict a,
 }
 
 // shrink_rows for n tokens: four rows of a at a time for one or two tokens (four chains or
-// eight), one row for more (four tokens x four rows spilled registers: 1.4x slower, measured).
+// eight), one row for more (four tokens over two rows at a time measured 1.4x slower).
 void shrink_streamed(int n, int j0, int j1, int k, const float *a, const float *x, int64_t ldx,
                      float *out, int ldo) {
     int m = 0;
-    for (; m + 4 <= n; m += 4) shrink_rows<4, 1>(j0, j1, k, a, x + m * ldx, ldx, out + m * ldo, ldo);
+    for (; m + 4 <= n; m += 4)
+        shrink_rows<4, 1>(j0, j1, k, a, x + m * ldx, ldx, out + m * ldo, ldo);
     switch (n - m) {
         case 3: shrink_rows<3, 1>(j0, j1, k, a, x + m * ldx, ldx, out + m * ldo, ldo); break;
         case 2: shrink_rows<2, 4>(j0, j1, k, a, x + m * ldx, ldx, out + m * ldo, ldo); break;
@@ -144,19 +148,18 @@ struct Piece {
     int64_t cost;
 };
 
-// Cuts 0:size into up to ``threads`` pieces of whole multiples of ``step`` (the last takes the
-// rest), each costing ``unit_cost`` per row or column.
+// Cuts 0:size into up to ``threads`` pieces that start at multiples of ``step``, each costing
+// ``unit_cost`` per row or column.
 void split(std::vector<Piece> &pieces, int64_t segment, int64_t part, int64_t size, int64_t step,
            int64_t unit_cost, int threads) {
     const int64_t steps = (size + step - 1) / step;
     const int64_t count = std::max<int64_t>(1, std::min<int64_t>(threads, steps));
-    int64_t begin = 0;
     for (int64_t i = 0; i < count; ++i) {
-        const int64_t end = i + 1 == count ? size : begin + (steps * (i + 1) / count - steps * i / count) * step;
+        const int64_t begin = std::min(size, steps * i / count * step);
+        const int64_t end = std::min(size, steps * (i + 1) / count * step);
         if (end > begin)
             pieces.push_back({segment, part, static_cast<int>(begin), static_cast<int>(end),
                               (end - begin) * unit_cost});
-        begin = end;
     }
 }
 
@@ -280,7 +283,7 @@ void lora_apply(const at::Tensor &x, const at::Tensor &y, const at::Tensor &pool
         gemm(false, piece.end - piece.begin, n, rank, bt + piece.begin, ldb, s, rank_rows, 1.0f,
              y_seg + piece.begin, static_cast<int>(ldy));
     };
-    // Below this much to read, a team's start and barrier cost more than a second thread saves.
+    // Below kTeamWork, a team's start and barrier cost more than a second thread saves.
     int64_t floats = 0;
     for (const auto &piece : shrinks) floats += piece.cost;
     for (const auto &piece : expands) floats += piece.cost;
