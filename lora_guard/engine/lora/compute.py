@@ -83,7 +83,7 @@ class LoraBatch:
     ) -> None:
         if mode not in MODES[1:]:
             raise ValueError(f"lora compute mode must be one of {', '.join(MODES[1:])}")
-        self.segments, self.mode, self.pool = segments, mode, pool
+        self.segments, self.mode = segments, mode
         if mode == "kernel":
             if pool is None:
                 raise ValueError("the kernel reads the adapters' matrices from the pool")

@@ -284,10 +284,10 @@ void lora_apply(const at::Tensor &x, const at::Tensor &y, const at::Tensor &pool
              y_seg + piece.begin, static_cast<int>(ldy));
     };
     // Below kTeamWork, a team's start and barrier cost more than a second thread saves.
-    int64_t floats = 0;
-    for (const auto &piece : shrinks) floats += piece.cost;
-    for (const auto &piece : expands) floats += piece.cost;
-    const int dealt = floats < kTeamWork ? 1 : threads;
+    int64_t cost = 0;
+    for (const auto &piece : shrinks) cost += piece.cost;
+    for (const auto &piece : expands) cost += piece.cost;
+    const int dealt = cost < kTeamWork ? 1 : threads;
     const auto shrink_share = deal(shrinks, dealt), expand_share = deal(expands, dealt);
     const int team = static_cast<int>(std::max(shrink_share.size(), expand_share.size()));
     if (team <= 1) {
@@ -295,13 +295,16 @@ void lora_apply(const at::Tensor &x, const at::Tensor &y, const at::Tensor &pool
         for (const auto &piece : expands) expand(piece);
         return;
     }
+    // A team may come smaller than asked (a nested region runs on one thread): each thread takes
+    // every share its number strides to, so no share is left undone.
 #pragma omp parallel num_threads(team)
     {
-        const size_t t = static_cast<size_t>(omp_get_thread_num());
-        if (t < shrink_share.size())
+        const size_t first = static_cast<size_t>(omp_get_thread_num());
+        const size_t stride = static_cast<size_t>(omp_get_num_threads());
+        for (size_t t = first; t < shrink_share.size(); t += stride)
             for (const Piece *piece : shrink_share[t]) shrink(*piece);
 #pragma omp barrier
-        if (t < expand_share.size())
+        for (size_t t = first; t < expand_share.size(); t += stride)
             for (const Piece *piece : expand_share[t]) expand(*piece);
     }
 }
