@@ -298,7 +298,7 @@ def all_settings(hooks: Hooks | None) -> dict[str, Setting]:
 
 #: Left to the engine, which resolves them (the demo model, auto device and dtype): plugins read
 #: the resolved values from the engine's config.
-_ENGINE_RESOLVES = frozenset({"model", "device", "dtype"})
+_ENGINE_RESOLVES = frozenset({"model", "device", "dtype", "lora_dtype"})
 
 
 @dataclass(frozen=True)
@@ -346,7 +346,8 @@ class ServeSettings:
 
     def plugin_settings(self) -> dict[str, Any]:
         """The dict for ``Hooks.configure`` (``LLM(settings=...)``): every setting by its name,
-        but those the engine resolves (``model``, ``device``, ``dtype``), and each plugin option."""
+        but those the engine resolves (``model``, ``device``, ``dtype``, ``lora_dtype``), and each
+        plugin option."""
         values = {k: v for k, v in self.values.items() if k not in _ENGINE_RESOLVES}
         return {**values, **self.options}
 

@@ -304,13 +304,13 @@ class SoloGreedy:
     loop, so an engine on the kernel is checked against the other computation too. Call
     ``close`` when done."""
 
-    def __init__(self, model: Path, adapters: dict[str, Path]) -> None:
+    def __init__(self, model: Path, adapters: dict[str, Path], lora_dtype: str = "auto") -> None:
         from lora_guard import LLM
 
         table: dict[str, str | Path] = dict(adapters)
         self.llm = LLM(model, adapters=table, kv_cache_memory="4MiB", policies="lru",
                        enable_prefix_caching=False, device="cpu", dtype="float32",
-                       lora_compute="loop")  # fmt: skip
+                       lora_dtype=lora_dtype, lora_compute="loop")  # fmt: skip
         self.memo: dict[tuple[tuple[int, ...], str | None, int], list[int]] = {}
 
     def __call__(self, prompt: list[int], adapter: str | None, n: int) -> list[int]:

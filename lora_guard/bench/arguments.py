@@ -93,6 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="lora-guard's cold-load budget (default: the number of adapters in the trace)",
     )
     add("--dtype", default="float32")
+    add(
+        "--lora-dtype",
+        default="auto",
+        help="adapter pages of the engine schemes (and static's merge): auto (as --dtype), "
+        "bfloat16, float16, float32",
+    )
     add("--device", default="cpu")
     add(
         "--quick",

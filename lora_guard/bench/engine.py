@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                         "separated (default: the first --adapters of the folder)")  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--lora-dtype", default="auto", help="the adapters' pages (auto: --dtype)")
     parser.add_argument("--lora-compute", default="auto", choices=MODES)
     parser.add_argument("--weight-layout", default="auto", choices=("auto", "blocked", "plain"))
     parser.add_argument("--device", default="cpu")
@@ -216,7 +217,8 @@ def _bench(args: argparse.Namespace) -> int:
     _print(rows, peak, args, names)
     if args.json:
         args.json.write_text(json.dumps({
-            "device": str(device), "dtype": args.dtype, "weight_layout": args.weight_layout,
+            "device": str(device), "dtype": args.dtype, "lora_dtype": args.lora_dtype,
+            "weight_layout": args.weight_layout,
             "lora_compute": args.lora_compute, "matmul_peak_gflops": peak,
             "adapters": names, "new_tokens": args.new_tokens, "repeats": args.repeats,
             "rows": [asdict(r) | {"mixed_over_base": r.mixed_over_base, "over_floor": r.over_floor,
@@ -232,7 +234,7 @@ def _engine_figures(
     llm = LLM(args.model, adapters={n: args.adapter_dir / n for n in names},
               max_loras=len(names), cache_memory="1GiB", dtype=args.dtype, device=args.device,
               max_num_seqs=max(batches), lora_compute=args.lora_compute,
-              weight_layout=args.weight_layout)  # fmt: skip
+              weight_layout=args.weight_layout, lora_dtype=args.lora_dtype)  # fmt: skip
     engine = llm.engine
     base_bytes = engine.model.step_bytes()
     adapter_bytes = {
@@ -299,7 +301,8 @@ def _median_row(runs: list[Row]) -> Row:
 
 
 def _print(rows: list[Row], peak: float, args: argparse.Namespace, names: list[str]) -> None:
-    print(f"device {args.device}, {args.dtype}, weight layout {args.weight_layout}, LoRA compute "
+    print(f"device {args.device}, {args.dtype} (adapter pages {args.lora_dtype}), weight layout "
+          f"{args.weight_layout}, LoRA compute "
           f"{args.lora_compute}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; matmul peak {peak:.0f} GFLOP/s")  # fmt: skip
     print(f"mixed batches cycle over {len(names)} adapters: {', '.join(names)}; "

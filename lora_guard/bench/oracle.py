@@ -32,7 +32,7 @@ def oracle_tokens(
         max_loras=max(1, len(adapters)), max_cpu_loras=max(1, len(adapters)),
         max_lora_rank=options.max_lora_rank, kv_cache_memory=options.kv_cache_memory,
         max_num_seqs=options.max_num_seqs, enable_prefix_caching=False,
-        dtype=options.dtype, device=options.device,
+        dtype=options.dtype, lora_dtype=options.lora_dtype, device=options.device,
     )  # fmt: skip
     # A request the engine cannot take (too long) failed in every scheme too: nothing to compare.
     limit = llm.engine.max_model_len

@@ -78,6 +78,7 @@ class EngineOptions:
     max_num_seqs: int = 64
     cold_loads_per_minute: int = 24
     dtype: str = "float32"
+    lora_dtype: str = "auto"  # the adapters' pages: auto is dtype
     device: str = "cpu"
 
 
@@ -89,6 +90,7 @@ def scheme_llm(scheme: str, options: EngineOptions, static_adapter: str | None) 
         kv_cache_memory=options.kv_cache_memory,
         max_num_seqs=options.max_num_seqs,
         dtype=options.dtype,
+        lora_dtype=options.lora_dtype,
         device=options.device,
         disabled_plugins=(),
     )

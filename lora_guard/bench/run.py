@@ -182,7 +182,7 @@ def _in_process(
         max_loras=args.max_loras if not args.quick else 4,
         max_lora_rank=args.max_lora_rank,
         kv_cache_memory=args.kv_cache_memory if not args.quick else "16MiB",
-        dtype=args.dtype, device=args.device,
+        dtype=args.dtype, lora_dtype=args.lora_dtype, device=args.device,
     )  # fmt: skip
     # --quick runs everything here: process start-up would outweigh the tiny model's work.
     isolated = not args.quick
@@ -264,7 +264,7 @@ def _against_target(args: argparse.Namespace, started: float) -> Bench:
             _progress(started, "computing the oracle")
             options = EngineOptions(model=str(args.model), adapter_dir=str(args.adapter_dir),
                                     kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
-                                    device=args.device)  # fmt: skip
+                                    lora_dtype=args.lora_dtype, device=args.device)  # fmt: skip
             wanted = [OracleRequest(r.id, r.prompt, r.adapter_id, r.max_new_tokens,
                                     ignore_eos=False) for r in trace]  # fmt: skip
             oracle = _call(True, oracle_tokens, wanted, options)

@@ -84,9 +84,14 @@ def engine_from_config(
             f"the cache pool ({config.cache_bytes()} bytes) holds {num_pages} pages of "
             f"{page_bytes} bytes; at least {MIN_KV_BLOCKS} are needed"
         )
-    pool = CachePool(spec, num_pages, config.block_size, config.torch_dtype, config.torch_device)
     try:
-        lora_compute = resolve_mode(config.lora_compute, config.torch_dtype, config.torch_device)
+        pool = CachePool(
+            spec, num_pages, config.block_size, config.torch_dtype, config.torch_device,
+            config.torch_lora_dtype,
+        )  # fmt: skip
+        lora_compute = resolve_mode(
+            config.lora_compute, config.torch_dtype, config.torch_device, config.torch_lora_dtype
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     runner = ModelRunner(
@@ -98,7 +103,7 @@ def engine_from_config(
         None if merged else pool,
         blocks,
         HostCache(config.max_cpu_loras),
-        AdapterLoader(spec, config.max_lora_rank),
+        AdapterLoader(spec, config.max_lora_rank, config.torch_lora_dtype),
         AdapterRegistry(),
         max_loras=config.max_loras,
         quantum_s=config.residency_quantum_ms / 1000,
@@ -110,7 +115,7 @@ def engine_from_config(
     for adapter_id, path in (adapters or {}).items():
         residency.register(adapter_id, Path(path).expanduser())
     if config.static_adapter is not None:
-        merge_static(residency, config.static_adapter, spec, config.max_lora_rank)
+        merge_static(residency, config.static_adapter, spec, config)
     scheduler = Scheduler(
         blocks, residency, hooks, model_id, config.max_batch_tokens, config.max_num_seqs,
         reject_when_busy=config.reject_when_busy, page_bytes=page_bytes,
@@ -135,12 +140,18 @@ def max_model_len(config: EngineConfig, spec: ModelSpec, num_pages: int) -> int:
     return min(limits)
 
 
-def merge_static(residency: ResidencyManager, adapter_id: str, spec: ModelSpec, rank: int) -> None:
-    """The static baseline: one adapter merged for good before serving starts."""
+def merge_static(
+    residency: ResidencyManager, adapter_id: str, spec: ModelSpec, config: EngineConfig
+) -> None:
+    """The static baseline: one adapter merged for good before serving starts (read in
+    ``lora_dtype``, so it merges the values the pool would hold)."""
     entry = residency.registry.get(adapter_id)
     if entry is None:
         raise ConfigError(f"static adapter {adapter_id!r} is not among the adapters")
-    residency.host.put(read_adapter(adapter_id, entry.path, spec, rank))
+    adapter = read_adapter(
+        adapter_id, entry.path, spec, config.max_lora_rank, dtype=config.torch_lora_dtype
+    )
+    residency.host.put(adapter)
     binding = residency.acquire_merged(adapter_id)
     assert binding is not None
     residency.release_merged()

@@ -214,6 +214,10 @@ class EngineConfig:
     dtype: str | torch.dtype = setting("auto", help="float32, bfloat16, float16 (also fp32, bf16, "
                                        "fp16, half) or auto (bfloat16 on cuda, float32 on cpu)",
                                        check=dtype_name)  # fmt: skip
+    lora_dtype: str | torch.dtype = setting("auto", help="how adapter weights are stored in the "
+                                            "cache pool: float32, bfloat16, float16 (rounded "
+                                            "once when read, computed in {dtype}) or auto (as "
+                                            "{dtype})", check=dtype_name)  # fmt: skip
     max_loras: int = setting(0, help="most adapters resident in the cache pool at once; 0: no "
                              "cap, the pool's pages alone bound them", check=at_least(0),
                              metavar="N")  # fmt: skip
@@ -239,9 +243,10 @@ class EngineConfig:
                                         check=at_least(0), metavar="MS")  # fmt: skip
     lora_compute: str = setting("auto", help="how a step computes the LoRA updates: kernel (the "
                                 "compiled kernel, one call per projection; float32 on the "
-                                "CPU), loop (per adapter segment), batched (one gathered "
-                                "batched matmul per projection), auto (kernel where it builds, "
-                                "else loop)", check=one_of("auto", "kernel", "loop", "batched"),
+                                "CPU, from float32 or bfloat16 adapter pages), loop (per "
+                                "adapter segment), batched (one gathered batched matmul per "
+                                "projection), auto (kernel where it builds, else loop)",
+                                check=one_of("auto", "kernel", "loop", "batched"),
                                 metavar="MODE")  # fmt: skip
     weight_layout: str = setting("auto", help="how the base model's projections are stored: "
                                  "blocked (oneDNN's layout, float32 on the CPU), plain (torch.mm "
@@ -288,6 +293,8 @@ class EngineConfig:
             self.lora_mode = "merged"
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
+        auto = self.lora_dtype is None or self.lora_dtype == "auto"
+        self.lora_dtype = self.dtype if auto else resolve_dtype(self.lora_dtype, self.device)
 
     @property
     def torch_device(self) -> torch.device:
@@ -298,6 +305,11 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         assert isinstance(self.dtype, torch.dtype)
         return self.dtype
+
+    @property
+    def torch_lora_dtype(self) -> torch.dtype:
+        assert isinstance(self.lora_dtype, torch.dtype)
+        return self.lora_dtype
 
     def cache_bytes(self) -> int:
         """The cache pool's size: KV blocks and adapter weights share it."""

@@ -46,6 +46,7 @@ class LLM:
         model_id: str | None = None,
         device: str | torch.device = "auto",
         dtype: str | torch.dtype = "auto",
+        lora_dtype: str | torch.dtype = "auto",
         max_loras: int = 0,
         max_cpu_loras: int = 32,
         max_lora_rank: int = 64,

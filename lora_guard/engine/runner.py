@@ -105,7 +105,7 @@ class ModelRunner:
             torch.tensor(positions, device=self.device),
             attn,
             (self.kv_cache.k, self.kv_cache.v),
-            LoraBatch(segments, self.lora_mode, self.pool.arena) if segments else None,
+            LoraBatch(segments, self.lora_mode, self.pool.lora_arena) if segments else None,
             torch.tensor(logits_rows, device=self.device, dtype=torch.long),
         )
         return logits, sampled

@@ -52,3 +52,13 @@ def test_max_cpu_loras_left_at_its_default_follows_max_loras() -> None:
     assert EngineConfig(model="m", max_loras=64, device="cpu").max_cpu_loras == 64
     assert EngineConfig(model="m", max_loras=4, device="cpu").max_cpu_loras == 32
     assert EngineConfig(model="m", max_loras=4, max_cpu_loras=4, device="cpu").max_cpu_loras == 4
+
+
+def test_adapter_pages_take_the_models_dtype_unless_told() -> None:
+    assert EngineConfig(model="m", device="cpu").torch_lora_dtype is torch.float32
+    config = EngineConfig(model="m", dtype="bf16", device="cpu")
+    assert config.torch_lora_dtype is torch.bfloat16
+    config = EngineConfig(model="m", dtype="float32", lora_dtype="bf16", device="cpu")
+    assert (config.torch_dtype, config.torch_lora_dtype) == (torch.float32, torch.bfloat16)
+    with pytest.raises(ConfigError, match="lora_dtype: expected one of"):
+        EngineConfig(model="m", lora_dtype="int4", device="cpu")

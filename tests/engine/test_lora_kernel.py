@@ -60,10 +60,19 @@ def pool_segments(pool: torch.Tensor, *, prefill: bool = False) -> list[LoraSegm
     return [LoraSegment(start, end, weights, kernel_plan(weights)) for start, end, weights in spans]
 
 
-def test_the_kernel_computes_what_the_loop_does() -> None:
+# Pages of float32, or of bfloat16 (half the bytes a step reads): the kernel widens each weight
+# exactly and sums in float32, so it computes what the loop does on the pool's float32 values.
+# ``pool.float()`` keeps every element where it was: the same plan reads both.
+DTYPES = pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16], ids=lambda dtype: str(dtype).removeprefix("torch.")
+)
+
+
+@DTYPES
+def test_the_kernel_computes_what_the_loop_does(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    pool = torch.randn(4096)
-    segments = pool_segments(pool, prefill=True)
+    pool = torch.randn(4096).to(dtype)
+    segments = pool_segments(pool.float(), prefill=True)  # the loop's views, in float32
     x, base = torch.randn(32, FAN_IN), torch.randn(32, 32)
     looped, fused = base.clone(), base.clone()
     LoraBatch(segments, "loop").apply(x, looped, 0, "qkv")
@@ -77,16 +86,20 @@ def test_the_kernel_computes_what_the_loop_does() -> None:
     assert torch.equal(fused, before)
 
 
-def test_large_adapters_split_between_threads_compute_what_the_loop_does() -> None:
+@DTYPES
+def test_large_adapters_split_between_threads_compute_what_the_loop_does(
+    dtype: torch.dtype,
+) -> None:
     # Big enough that the kernel cuts each A by rows and each B by columns across its threads;
     # ranks and widths that are no multiple of four or sixteen, a decode and a prefill segment.
     torch.manual_seed(1)
     fan_in, widths, used = 600, (200, 90, 90), 0
-    pool = torch.randn(2_000_000)
+    pool = torch.randn(2_000_000).to(dtype)
+    values = pool.float()  # the loop's views, in float32
 
     def view(rows: int, cols: int) -> torch.Tensor:
         nonlocal used
-        out = pool[used : used + rows * cols].view(rows, cols)
+        out = values[used : used + rows * cols].view(rows, cols)
         used += rows * cols
         return out
 
@@ -123,6 +136,11 @@ def test_a_plan_that_points_outside_the_pool_is_refused_before_any_write() -> No
         assert not y.any(), message
     with pytest.raises(RuntimeError, match="float32"):
         kernel.lora_apply(x.double(), y.double(), pool.double(), plan)
+    with pytest.raises(RuntimeError, match="float32"):  # float32 or bfloat16 pages only
+        kernel.lora_apply(x, y, pool.half(), plan)
+    with pytest.raises(RuntimeError, match="float32"):  # bfloat16 pages, float32 activations
+        kernel.lora_apply(x.bfloat16(), y.bfloat16(), pool.bfloat16(), plan)
+    assert not y.any()
 
 
 def test_the_engine_with_the_kernel_matches_the_loop_token_for_token(

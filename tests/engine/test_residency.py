@@ -20,7 +20,7 @@ from lora_guard.engine.llm_engine import LLMEngine, RequestOutput
 from lora_guard.engine.lora import read_adapter
 from lora_guard.engine.lora.compute import LoraBatch, LoraSegment
 from lora_guard.plugins import hookimpl
-from lora_guard.testing import AdapterFactory
+from lora_guard.testing import AdapterFactory, SoloGreedy
 
 NUM_ADAPTERS = 7
 PAGE_BYTES = 2 * 2 * 4 * 2 * 16 * 4  # layers * k/v * block tokens * kv heads * head dim * fp32
@@ -381,3 +381,39 @@ def test_bfloat16_keeps_adapter_pages_in_bfloat16_and_serves(
     assert qkv.a.dtype == torch.bfloat16
     assert torch.allclose(qkv.a[: a_q.shape[0]].float(), a_q, rtol=1e-2, atol=1e-2)
     llm.engine.check_no_leaks()
+
+
+def test_bfloat16_adapter_pages_beside_float32_kv_take_half_the_pages_and_match_solo_runs(
+    tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    names = sorted(adapters)
+    pools = {}
+    for lora_dtype in ("float32", "bfloat16"):
+        pools[lora_dtype] = LLM(tiny_model, adapters=adapters, cache_memory=64 * PAGE_BYTES,
+                                block_size=4, lora_dtype=lora_dtype).engine  # fmt: skip
+    path = adapters[names[-1]]
+    read = {d: read_adapter(names[-1], path, e.model.spec, 64, dtype=e.pool.lora_dtype)
+            for d, e in pools.items()}  # fmt: skip
+    wide, narrow = (pools[d].pool.layout(read[d]) for d in ("float32", "bfloat16"))
+    assert narrow.nbytes * 2 == wide.nbytes
+    assert narrow.num_pages == -(-wide.num_pages // 2)
+    pairs = zip(read["float32"].weights.values(), read["bfloat16"].weights.values(), strict=True)
+    for a32, a16 in pairs:
+        assert torch.equal(a16[0], a32[0].to(torch.bfloat16))  # rounded once, when read
+        assert torch.equal(a16[1], a32[1].to(torch.bfloat16))
+
+    # Seats for two of seven adapters, prefix caching on: adapters rotate, move down the pool
+    # and share it with float32 KV; every request still gets the tokens of its solo run.
+    solo = SoloGreedy(tiny_model, adapters, lora_dtype="bfloat16")
+    llm = LLM(tiny_model, adapters=adapters, cache_memory="4MiB", max_loras=2,
+              lora_dtype="bfloat16", residency_quantum_ms=5)  # fmt: skip
+    assert llm.engine.pool.arena.dtype == torch.float32
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 40 + i] for i in range(14)]
+    ids = [None if i % 7 == 0 else names[i % len(names)] for i in range(14)]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True), ids)
+    for prompt, adapter, out in zip(prompts, ids, outs, strict=True):
+        assert out.token_ids == solo(prompt, adapter, 6), adapter
+    entry = llm.engine.adapters.residents()[0]
+    assert entry.layers[0]["qkv"].a.dtype == torch.bfloat16
+    llm.engine.check_no_leaks()
+    solo.close()

@@ -108,9 +108,18 @@ def _read_regular_file(file: Path, root: Path | None, limit: int) -> bytes:
 
 
 def read_adapter(
-    adapter_id: str, path: Path, spec: ModelSpec, max_rank: int, root: Path | None = None
+    adapter_id: str,
+    path: Path,
+    spec: ModelSpec,
+    max_rank: int,
+    root: Path | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> LoRAAdapter:
     """Read and validate a PEFT LoRA folder. Raises :class:`AdapterError` with the reason.
+
+    The weights come back in ``dtype`` (the engine's ``lora_dtype``), the scaling folded into B
+    in float32 first: a 16-bit ``dtype`` rounds them once, here, and every user of the adapter
+    (the pool's pages, a merge) then holds the same values.
 
     With ``root`` (the adapter directory it was found in), the folder and its files must resolve
     inside ``root``: a symlink leading elsewhere is refused, never read.
@@ -200,7 +209,7 @@ def read_adapter(
         name = f"model.layers.{layer}.{block}.{module}"
         module_alpha = _pattern_value(alpha_pattern, name, alpha)
         scale = module_alpha / (rank**0.5 if rslora else rank)
-        weights[(layer, module)] = (a.float(), b.float() * scale)
+        weights[(layer, module)] = (a.float().to(dtype), (b.float() * scale).to(dtype))
         max_seen = max(max_seen, rank)
     digest = hashlib.sha256(config_bytes + b"\0" + data).hexdigest()
     return LoRAAdapter(

@@ -7,8 +7,9 @@ of the flat batch. Two ways compute the same thing:
   sub-module, straight from the adapter's pages (no copy).
 - ``kernel``: per projection, one call of the compiled kernel (``sgmv.cpp``) that runs the same
   shrink and expands for every segment straight from the pool's pages: the loop's BLAS calls
-  without a Python dispatch each. It needs float32 weights in the pool; ``auto`` (the default)
-  takes it where it builds and loads, else ``loop``.
+  without a Python dispatch each. It computes in float32 from float32 or bfloat16 pages (widened
+  exactly as it reads them); ``auto`` (the default) takes it where it builds and loads, else
+  ``loop``.
 - ``batched``: per projection, one shrink and one expand over all segments at once (torch's
   batched matmul over segments padded to the longest and ranks padded to the largest), gathering
   the adapters' matrices into one stack first: SGMV done with torch operations, slower on the CPU
@@ -61,13 +62,22 @@ def kernel_plan(layers: list[LayerWeights]) -> torch.Tensor:
     return plan
 
 
-def resolve_mode(mode: str, dtype: torch.dtype, device: torch.device) -> str:
+KERNEL_WEIGHTS = (torch.float32, torch.bfloat16)
+
+
+def resolve_mode(
+    mode: str, dtype: torch.dtype, device: torch.device, lora_dtype: torch.dtype | None = None
+) -> str:
     """The computation a step uses: ``auto`` is ``kernel`` where the kernel applies and loads,
     else ``loop``; an explicit ``kernel`` that cannot run is an error."""
-    applies = dtype == torch.float32 and device.type == "cpu"
+    weights = lora_dtype or dtype
+    applies = dtype == torch.float32 and device.type == "cpu" and weights in KERNEL_WEIGHTS
     if mode == "kernel":
         if not applies:
-            raise ValueError("lora_compute=kernel computes in float32 on the CPU")
+            raise ValueError(
+                "lora_compute=kernel computes in float32 on the CPU, from float32 or bfloat16 "
+                "adapter weights"
+            )
         if not kernel.load():
             raise ValueError(f"lora_compute=kernel: the kernel cannot be built: {kernel.error()}")
     if mode == "auto":
@@ -118,9 +128,12 @@ class LoraBatch:
             weights = seg.layers[layer].get(projection)
             if weights is None:
                 continue
-            shrunk, out = torch.mm(xs[run], weights.at), ys[run]
+            # Weights of another dtype than the activations (lora_dtype) are converted first.
+            dtype = x.dtype
+            shrunk, out = torch.mm(xs[run], weights.at.to(dtype)), ys[run]
             for part in weights.parts:
-                out[:, part.out0 : part.out1].addmm_(shrunk[:, part.row0 : part.row1], part.bt)
+                bt = part.bt.to(dtype)
+                out[:, part.out0 : part.out1].addmm_(shrunk[:, part.row0 : part.row1], bt)
 
 
 def _step_plan(segments: list[LoraSegment]) -> torch.Tensor:

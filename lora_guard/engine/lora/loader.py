@@ -7,6 +7,8 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+
 from lora_guard.engine.lora.checkpoint import AdapterError, LoRAAdapter, read_adapter
 from lora_guard.engine.model import ModelSpec
 from lora_guard.engine.threads import serial_thread
@@ -15,8 +17,8 @@ from lora_guard.engine.threads import serial_thread
 class AdapterLoader:
     """Reads adapters from disk on a background thread so the step loop never waits on I/O."""
 
-    def __init__(self, spec: ModelSpec, max_rank: int) -> None:
-        self.spec, self.max_rank = spec, max_rank
+    def __init__(self, spec: ModelSpec, max_rank: int, dtype: torch.dtype = torch.float32) -> None:
+        self.spec, self.max_rank, self.dtype = spec, max_rank, dtype
         self._pool = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="lora-guard-loader", initializer=serial_thread
         )
@@ -30,7 +32,7 @@ class AdapterLoader:
     def _read(self, adapter_id: str, path: Path, root: Path | None) -> LoRAAdapter:
         started = time.perf_counter()
         try:
-            return read_adapter(adapter_id, path, self.spec, self.max_rank, root)
+            return read_adapter(adapter_id, path, self.spec, self.max_rank, root, self.dtype)
         finally:
             self.read_ms[adapter_id] = (time.perf_counter() - started) * 1000
 

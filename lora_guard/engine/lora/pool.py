@@ -9,7 +9,9 @@ matrices and its value half the ``B`` matrices (transposed), each of exactly the
     layer l, fused projection qkv:  A = [A_q; A_k; A_v]   [r_q + r_k + r_v, hidden]   (key half)
                                     B_q.T [r_q, q_out], B_k.T [r_k, kv_out], ...     (value half)
 
-Nothing is padded to a maximum rank and no zero block is stored. Adapters sit at the bottom of
+Nothing is padded to a maximum rank and no zero block is stored. Adapter pages may hold another
+dtype than the KV (``lora_dtype``): a run's halves are then viewed as that dtype, so a bfloat16
+adapter beside float32 KV takes half the pages. Adapters sit at the bottom of
 the pool, packed without holes (an eviction moves the ones above down); KV blocks use the pages
 above them. Memory never exceeds the pool: a load that does not fit waits.
 """
@@ -82,12 +84,20 @@ class CachePool:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        lora_dtype: torch.dtype | None = None,
     ) -> None:
         self.spec, self.num_pages, self.block_size = spec, num_pages, block_size
         self.page_elems = block_size * spec.num_kv_heads * spec.head_dim
         self.arena = torch.zeros(
             spec.num_layers, 2, num_pages, self.page_elems, dtype=dtype, device=device
         )
+        self.lora_dtype = lora_dtype or dtype
+        ratio = dtype.itemsize / self.lora_dtype.itemsize
+        if ratio * self.page_elems != int(ratio * self.page_elems):
+            raise ValueError(f"a page of {dtype} cannot hold {self.lora_dtype} adapter weights")
+        self.lora_page_elems = int(ratio * self.page_elems)  # adapter elements a page holds
+        # The whole arena as the adapters' dtype: what the kernel reads, offsets in its elements.
+        self.lora_arena = self.arena.view(-1).view(self.lora_dtype)
         shape = (spec.num_layers, num_pages * block_size, spec.num_kv_heads, spec.head_dim)
         self.kv = KVCache(self.arena[:, 0].view(shape), self.arena[:, 1].view(shape))
 
@@ -125,8 +135,8 @@ class CachePool:
                     b_used[layer] += b.numel()
                     elems += a.numel() + b.numel()
         most = max(max(a_used), max(b_used))
-        num_pages = max(1, -(-most // self.page_elems))
-        return AdapterLayout(num_pages, tuple(placements), elems * self.arena.element_size())
+        num_pages = max(1, -(-most // self.lora_page_elems))
+        return AdapterLayout(num_pages, tuple(placements), elems * self.lora_dtype.itemsize)
 
     def write(self, adapter: LoRAAdapter, layout: AdapterLayout, first_page: int) -> None:
         """Copy ``adapter``'s weights into pages ``first_page ...``, converting to the pool's
@@ -176,7 +186,11 @@ class CachePool:
 
     def _halves(self, first_page: int, num_pages: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         run = slice(first_page, first_page + num_pages)
+        dtype = self.lora_dtype
         return [
-            (self.arena[layer, 0, run].view(-1), self.arena[layer, 1, run].view(-1))
+            (
+                self.arena[layer, 0, run].view(-1).view(dtype),
+                self.arena[layer, 1, run].view(-1).view(dtype),
+            )
             for layer in range(self.spec.num_layers)
         ]

@@ -11,13 +11,18 @@
 // ``plan`` is int64 [segments, 4 + 5 * parts]: start, end, a_offset, rows, then per part row0,
 // row1, out0, out1, bt_offset (row1 == row0: no such part; rows == 0: the adapter has no weights
 // for this projection). Offsets are elements into ``pool``, the cache pool's arena that holds
-// every resident adapter's pages.
+// every resident adapter's pages. The pool holds float32 or bfloat16 weights (x and y are float32):
+// bfloat16 halves the bytes a step reads, each element widened exactly to float32 as it is read
+// (in the vector loops; for sgemm, a piece's weights first into a float32 scratch), and the sums
+// run in float32, so both compute the same up to the order of the sums.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <omp.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <type_traits>
 #include <vector>
 
 extern "C" void sgemm_(const char *transa, const char *transb, const int *m, const int *n,
@@ -43,10 +48,32 @@ constexpr int64_t kTeamWork = 48 * 1024 * (1 + kStreamedTokens);
 #endif
 
 typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+typedef uint16_t Halves __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+// A weight is a float, or a bfloat16 as its bits (uint16_t): the top half of a float's bits, so
+// it widens exactly by a shift.
+inline float widen(float w) { return w; }
+
+inline float widen(uint16_t w) {
+    const uint32_t bits = static_cast<uint32_t>(w) << 16;
+    float v;
+    __builtin_memcpy(&v, &bits, sizeof v);
+    return v;
+}
 
 inline Lanes load(const float *p) {
     Lanes v;
     __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+inline Lanes load(const uint16_t *p) {
+    Halves h;
+    __builtin_memcpy(&h, p, sizeof h);
+    const Words bits = __builtin_convertvector(h, Words) << 16;
+    Lanes v;
+    __builtin_memcpy(&v, &bits, sizeof v);
     return v;
 }
 
@@ -59,14 +86,14 @@ inline float total(Lanes v) {
 // out[m * ldo + j] = dot(x[m], a[j]) for N token rows of x and rows j0..j1 of a (row-major,
 // k wide), R rows of a at a time: every element of a read from memory serves all N tokens, and
 // the N * R sums run as independent chains of sixteen lanes each.
-template <int N, int R>
-LORA_CLONES void shrink_rows(int j0, int j1, int k, const float *__restrict a,
+template <typename W, int N, int R>
+LORA_CLONES void shrink_rows(int j0, int j1, int k, const W *__restrict a,
                              const float *__restrict x, int64_t ldx, float *__restrict out,
                              int ldo) {
     const int whole = k - k % kLanes;
     int j = j0;
     for (; j + R <= j1; j += R) {
-        const float *r0 = a + static_cast<int64_t>(j) * k;
+        const W *r0 = a + static_cast<int64_t>(j) * k;
         Lanes s[N][R] = {};
         for (int i = 0; i < whole; i += kLanes) {
             Lanes w[R];
@@ -80,53 +107,56 @@ LORA_CLONES void shrink_rows(int j0, int j1, int k, const float *__restrict a,
             const float *xm = x + m * ldx;
             for (int r = 0; r < R; ++r) {
                 float t = total(s[m][r]);
-                for (int i = whole; i < k; ++i) t += xm[i] * r0[r * k + i];
+                for (int i = whole; i < k; ++i) t += xm[i] * widen(r0[r * k + i]);
                 out[m * ldo + j + r] = t;
             }
         }
     }
-    if constexpr (R > 1) shrink_rows<N, 1>(j, j1, k, a, x, ldx, out, ldo);
+    if constexpr (R > 1) shrink_rows<W, N, 1>(j, j1, k, a, x, ldx, out, ldo);
 }
 
 // shrink_rows for n tokens: four rows of a at a time for one or two tokens (four chains or
 // eight), one row for more (four tokens over two rows at a time measured 1.4x slower).
-void shrink_streamed(int n, int j0, int j1, int k, const float *a, const float *x, int64_t ldx,
+template <typename W>
+void shrink_streamed(int n, int j0, int j1, int k, const W *a, const float *x, int64_t ldx,
                      float *out, int ldo) {
     int m = 0;
     for (; m + 4 <= n; m += 4)
-        shrink_rows<4, 1>(j0, j1, k, a, x + m * ldx, ldx, out + m * ldo, ldo);
+        shrink_rows<W, 4, 1>(j0, j1, k, a, x + m * ldx, ldx, out + m * ldo, ldo);
     switch (n - m) {
-        case 3: shrink_rows<3, 1>(j0, j1, k, a, x + m * ldx, ldx, out + m * ldo, ldo); break;
-        case 2: shrink_rows<2, 4>(j0, j1, k, a, x + m * ldx, ldx, out + m * ldo, ldo); break;
-        case 1: shrink_rows<1, 4>(j0, j1, k, a, x + m * ldx, ldx, out + m * ldo, ldo); break;
+        case 3: shrink_rows<W, 3, 1>(j0, j1, k, a, x + m * ldx, ldx, out + m * ldo, ldo); break;
+        case 2: shrink_rows<W, 2, 4>(j0, j1, k, a, x + m * ldx, ldx, out + m * ldo, ldo); break;
+        case 1: shrink_rows<W, 1, 4>(j0, j1, k, a, x + m * ldx, ldx, out + m * ldo, ldo); break;
         default: break;
     }
 }
 
 // y[m, o0:o1] += sum_j s[m, j] * bt[j, o0:o1] for the n token rows, bt row-major [rank, ldb]:
 // four rows of bt at a time are added to each token row (kept in L1 by blocks of columns).
-LORA_CLONES
-void expand_streamed(int n, int rank, int o0, int o1, const float *__restrict bt, int64_t ldb,
-                     const float *__restrict s, int lds, float *__restrict y, int64_t ldy) {
+template <typename W>
+LORA_CLONES void expand_streamed(int n, int rank, int o0, int o1, const W *__restrict bt,
+                                 int64_t ldb, const float *__restrict s, int lds,
+                                 float *__restrict y, int64_t ldy) {
     for (int c0 = o0; c0 < o1; c0 += kColumnBlock) {
         const int c1 = c0 + kColumnBlock < o1 ? c0 + kColumnBlock : o1;
         int j = 0;
         for (; j + 4 <= rank; j += 4) {
-            const float *b0 = bt + j * ldb, *b1 = b0 + ldb, *b2 = b1 + ldb, *b3 = b2 + ldb;
+            const W *b0 = bt + j * ldb, *b1 = b0 + ldb, *b2 = b1 + ldb, *b3 = b2 + ldb;
             for (int m = 0; m < n; ++m) {
                 const float *sm = s + m * lds + j;
                 const float e0 = sm[0], e1 = sm[1], e2 = sm[2], e3 = sm[3];
                 float *ym = y + m * ldy;
                 for (int o = c0; o < c1; ++o)
-                    ym[o] += e0 * b0[o] + e1 * b1[o] + e2 * b2[o] + e3 * b3[o];
+                    ym[o] += e0 * widen(b0[o]) + e1 * widen(b1[o]) + e2 * widen(b2[o]) +
+                             e3 * widen(b3[o]);
             }
         }
         for (; j < rank; ++j) {
-            const float *bj = bt + j * ldb;
+            const W *bj = bt + j * ldb;
             for (int m = 0; m < n; ++m) {
                 const float e = s[m * lds + j];
                 float *ym = y + m * ldy;
-                for (int o = c0; o < c1; ++o) ym[o] += e * bj[o];
+                for (int o = c0; o < c1; ++o) ym[o] += e * widen(bj[o]);
             }
         }
     }
@@ -138,6 +168,23 @@ void gemm(bool transpose_a, int m, int n, int k, const float *a, int lda, const 
     const char ta = transpose_a ? 'T' : 'N', tb = 'N';
     const float alpha = 1.0f;
     sgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+
+// dst[r, c] = w[r * ldw + c] widened, for rows x cols (dst row-major, cols wide).
+LORA_CLONES void widen_block(int rows, int cols, const uint16_t *__restrict w, int64_t ldw,
+                             float *__restrict dst) {
+    for (int r = 0; r < rows; ++r) {
+        const uint16_t *src = w + r * ldw;
+        float *out = dst + static_cast<int64_t>(r) * cols;
+        for (int c = 0; c < cols; ++c) out[c] = widen(src[c]);
+    }
+}
+
+// The calling thread's float32 copy of a piece's bfloat16 weights for sgemm, kept between calls.
+float *scratch(int64_t elems) {
+    thread_local std::vector<float> buffer;
+    if (buffer.size() < static_cast<size_t>(elems)) buffer.resize(static_cast<size_t>(elems));
+    return buffer.data();
 }
 
 // A piece of one phase's work: rows begin:end of a segment's A (part -1), or columns begin:end
@@ -185,8 +232,8 @@ void lora_apply(const at::Tensor &x, const at::Tensor &y, const at::Tensor &pool
     TORCH_CHECK(x.device().is_cpu() && y.device().is_cpu() && pool.device().is_cpu(),
                 "lora_apply runs on the CPU");
     TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat &&
-                    pool.scalar_type() == at::kFloat,
-                "lora_apply computes in float32");
+                    (pool.scalar_type() == at::kFloat || pool.scalar_type() == at::kBFloat16),
+                "lora_apply computes in float32, from float32 or bfloat16 weights");
     TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "x and y: [tokens, _]");
     TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1 && x.stride(0) >= x.size(1) &&
                     y.stride(0) >= y.size(1),
@@ -221,7 +268,10 @@ void lora_apply(const at::Tensor &x, const at::Tensor &y, const at::Tensor &pool
     }
     const float *xs = x.data_ptr<float>();
     float *ys = y.data_ptr<float>();
-    const float *weights = pool.data_ptr<float>();
+    const bool bf16 = pool.scalar_type() == at::kBFloat16;
+    const float *weights32 = bf16 ? nullptr : pool.data_ptr<float>();
+    const uint16_t *weights16 =
+        bf16 ? reinterpret_cast<const uint16_t *>(pool.data_ptr<at::BFloat16>()) : nullptr;
     const int64_t ldx = x.stride(0), ldy = y.stride(0);
     const int threads = std::max(1, at::get_num_threads());
 
@@ -252,27 +302,38 @@ void lora_apply(const at::Tensor &x, const at::Tensor &y, const at::Tensor &pool
                   threads);
         }
     }
-    auto shrink = [&](const Piece &piece) {
+    // Each piece's work from weights of type W (float, or bfloat16 bits).
+    auto shrink_from = [&](const Piece &piece, const auto *weights) {
         const int64_t *p = rows_of + piece.segment * width;
         const int n = static_cast<int>(p[1] - p[0]), rank_rows = static_cast<int>(p[3]);
-        const float *a = weights + p[2], *xs_seg = xs + p[0] * ldx;
+        const int rows = piece.end - piece.begin, k = static_cast<int>(fan_in);
+        const auto *a = weights + p[2];
+        const float *xs_seg = xs + p[0] * ldx;
         float *out = shrunk + shrunk_at[piece.segment];
         if (n <= kStreamedTokens) {
-            shrink_streamed(n, piece.begin, piece.end, static_cast<int>(fan_in), a, xs_seg, ldx,
-                            out, rank_rows);
+            shrink_streamed(n, piece.begin, piece.end, k, a, xs_seg, ldx, out, rank_rows);
             return;
         }
         // out[:, begin:end] (column-major [rows, n], leading dimension rows) = A[begin:end] @ x.T
-        gemm(true, piece.end - piece.begin, n, static_cast<int>(fan_in),
-             a + static_cast<int64_t>(piece.begin) * fan_in, static_cast<int>(fan_in), xs_seg,
-             static_cast<int>(ldx), 0.0f, out + piece.begin, rank_rows);
+        const auto *a_piece = a + static_cast<int64_t>(piece.begin) * fan_in;
+        const float *a32;
+        if constexpr (std::is_same_v<std::decay_t<decltype(*weights)>, float>) {
+            a32 = a_piece;
+        } else {
+            float *wide = scratch(static_cast<int64_t>(rows) * fan_in);
+            widen_block(rows, k, a_piece, fan_in, wide);
+            a32 = wide;
+        }
+        gemm(true, rows, n, k, a32, k, xs_seg, static_cast<int>(ldx), 0.0f, out + piece.begin,
+             rank_rows);
     };
-    auto expand = [&](const Piece &piece) {
+    auto expand_from = [&](const Piece &piece, const auto *weights) {
         const int64_t *p = rows_of + piece.segment * width;
         const int64_t *q = p + kHead + piece.part * kPartFields;
         const int n = static_cast<int>(p[1] - p[0]), rank_rows = static_cast<int>(p[3]);
         const int rank = static_cast<int>(q[1] - q[0]), ldb = static_cast<int>(q[3] - q[2]);
-        const float *bt = weights + q[4];
+        const int cols = piece.end - piece.begin;
+        const auto *bt = weights + q[4];
         const float *s = shrunk + shrunk_at[piece.segment] + q[0];
         float *y_seg = ys + p[0] * ldy + q[2];
         if (n <= kStreamedTokens) {
@@ -280,8 +341,23 @@ void lora_apply(const at::Tensor &x, const at::Tensor &y, const at::Tensor &pool
             return;
         }
         // y[:, begin:end] += shrunk[:, row0:row1] @ Bt[:, begin:end], all column-major here.
-        gemm(false, piece.end - piece.begin, n, rank, bt + piece.begin, ldb, s, rank_rows, 1.0f,
-             y_seg + piece.begin, static_cast<int>(ldy));
+        const float *b32;
+        int ldb32;
+        if constexpr (std::is_same_v<std::decay_t<decltype(*weights)>, float>) {
+            b32 = bt + piece.begin, ldb32 = ldb;
+        } else {  // the piece's columns of Bt, widened: [rank, cols], leading dimension cols
+            float *wide = scratch(static_cast<int64_t>(rank) * cols);
+            widen_block(rank, cols, bt + piece.begin, ldb, wide);
+            b32 = wide, ldb32 = cols;
+        }
+        gemm(false, cols, n, rank, b32, ldb32, s, rank_rows, 1.0f, y_seg + piece.begin,
+             static_cast<int>(ldy));
+    };
+    auto shrink = [&](const Piece &piece) {
+        bf16 ? shrink_from(piece, weights16) : shrink_from(piece, weights32);
+    };
+    auto expand = [&](const Piece &piece) {
+        bf16 ? expand_from(piece, weights16) : expand_from(piece, weights32);
     };
     // Below kTeamWork, a team's start and barrier cost more than a second thread saves.
     int64_t cost = 0;
