@@ -9,11 +9,11 @@ matrices and its value half the ``B`` matrices (transposed), each of exactly the
     layer l, fused projection qkv:  A = [A_q; A_k; A_v]   [r_q + r_k + r_v, hidden]   (key half)
                                     B_q.T [r_q, q_out], B_k.T [r_k, kv_out], ...     (value half)
 
-Nothing is padded to a maximum rank and no zero block is stored. Adapter pages may hold another
-dtype than the KV (``lora_dtype``): a run's halves are then viewed as that dtype, so a bfloat16
-adapter beside float32 KV takes half the pages. Adapters sit at the bottom of
+Nothing is padded to a maximum rank and no zero block is stored. Adapters sit at the bottom of
 the pool, packed without holes (an eviction moves the ones above down); KV blocks use the pages
-above them. Memory never exceeds the pool: a load that does not fit waits.
+above them. Memory never exceeds the pool: a load that does not fit waits. Adapter pages may hold
+another dtype than the KV (``lora_dtype``): an adapter's run is then viewed as that dtype, so a
+bfloat16 adapter beside float32 KV takes half the pages.
 """
 
 from __future__ import annotations
@@ -139,8 +139,8 @@ class CachePool:
         return AdapterLayout(num_pages, tuple(placements), elems * self.lora_dtype.itemsize)
 
     def write(self, adapter: LoRAAdapter, layout: AdapterLayout, first_page: int) -> None:
-        """Copy ``adapter``'s weights into pages ``first_page ...``, converting to the pool's
-        dtype."""
+        """Copy ``adapter``'s weights into pages ``first_page ...``, as the pages' ``lora_dtype``
+        (the loader has read them in it already)."""
         halves = self._halves(first_page, layout.num_pages)
         for place in layout.placements:
             a, b = adapter.weights[place.layer, place.module]
