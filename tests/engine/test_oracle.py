@@ -124,6 +124,11 @@ def test_small_kv_pool_preempts_and_still_matches(
         cache_memory=_blocks_bytes(tiny_model, 16 + 32, 4),
         block_size=4,
     )
+    # Every adapter read from disk first (the host tier keeps them): the workload's requests are
+    # then admitted as fast as the pool allows, not as fast as the loader thread reads, so their
+    # KV contends with the adapters however quick the disk is.
+    warm = SamplingParams(max_new_tokens=1)
+    llm.generate([[5, 6]] * len(adapters), warm, list(adapters))
     _check(llm, adapters, expected)
     assert llm.engine.stats.preemptions > 0
 
