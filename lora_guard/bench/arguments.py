@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_guard.bench.workload import SCENARIOS, WorkloadSpec
+from lora_guard.engine.config import LORA_DTYPES
 
 SCHEMES = ("static", "on-demand", "lru", "lora-guard", "lora-guard-observe", "peft")
 FULL_REQUESTS = 200
@@ -96,6 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--lora-dtype",
         default="auto",
+        choices=LORA_DTYPES,
         help="adapter pages of the engine schemes (and static's merge): auto (as --dtype), "
         "bfloat16, float16, float32",
     )

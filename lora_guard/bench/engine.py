@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from lora_guard.engine import LLM, SamplingParams
+from lora_guard.engine.config import LORA_DTYPES
 from lora_guard.engine.lora import read_adapter
 from lora_guard.engine.lora.compute import MODES
 from lora_guard.engine.lora.registry import scan_adapter_dir
@@ -162,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                         "separated (default: the first --adapters of the folder)")  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--lora-dtype", default="auto", help="the adapters' pages (auto: --dtype)")
+    parser.add_argument("--lora-dtype", default="auto", choices=LORA_DTYPES,
+                        help="the adapters' pages (auto: --dtype)")  # fmt: skip
     parser.add_argument("--lora-compute", default="auto", choices=MODES)
     parser.add_argument("--weight-layout", default="auto", choices=("auto", "blocked", "plain"))
     parser.add_argument("--device", default="cpu")

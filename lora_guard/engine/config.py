@@ -21,6 +21,7 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LORA_DTYPES = ("auto", *DTYPES)  # the names a command-line --lora-dtype takes
 _DTYPE_NAMES = {
     "auto": "auto",
     "float32": "float32", "fp32": "float32", "float": "float32",
@@ -293,8 +294,9 @@ class EngineConfig:
             self.lora_mode = "merged"
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
-        auto = self.lora_dtype is None or self.lora_dtype == "auto"
-        self.lora_dtype = self.dtype if auto else resolve_dtype(self.lora_dtype, self.device)
+        if self.lora_dtype == "auto":
+            self.lora_dtype = self.dtype
+        self.lora_dtype = resolve_dtype(self.lora_dtype, self.device)
 
     @property
     def torch_device(self) -> torch.device:

@@ -401,6 +401,8 @@ def test_bfloat16_adapter_pages_beside_float32_kv_take_half_the_pages_and_match_
     for a32, a16 in pairs:
         assert torch.equal(a16[0], a32[0].to(torch.bfloat16))  # rounded once, when read
         assert torch.equal(a16[1], a32[1].to(torch.bfloat16))
+    for engine in pools.values():
+        engine.shutdown()
 
     # Seats for two of seven adapters, prefix caching on: adapters rotate, move down the pool
     # and share it with float32 KV; every request still gets the tokens of its solo run.
@@ -408,6 +410,7 @@ def test_bfloat16_adapter_pages_beside_float32_kv_take_half_the_pages_and_match_
     llm = LLM(tiny_model, adapters=adapters, cache_memory="4MiB", max_loras=2,
               lora_dtype="bfloat16", residency_quantum_ms=5)  # fmt: skip
     assert llm.engine.pool.arena.dtype == torch.float32
+    assert llm.engine.runner.lora_mode == "kernel"  # the solo runs use the loop
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 40 + i] for i in range(14)]
     ids = [None if i % 7 == 0 else names[i % len(names)] for i in range(14)]
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True), ids)
@@ -416,4 +419,5 @@ def test_bfloat16_adapter_pages_beside_float32_kv_take_half_the_pages_and_match_
     entry = llm.engine.adapters.residents()[0]
     assert entry.layers[0]["qkv"].a.dtype == torch.bfloat16
     llm.engine.check_no_leaks()
+    llm.engine.shutdown()
     solo.close()

@@ -124,12 +124,11 @@ class LoraBatch:
                 _batched(x, y, work)
                 return
         xs, ys = torch.split(x[: self._end], self._runs), torch.split(y[: self._end], self._runs)
+        dtype = x.dtype  # weights of another dtype (lora_dtype) are converted to it per call
         for run, seg in zip(self._run_of, self.segments, strict=True):
             weights = seg.layers[layer].get(projection)
             if weights is None:
                 continue
-            # Weights of another dtype than the activations (lora_dtype) are converted first.
-            dtype = x.dtype
             shrunk, out = torch.mm(xs[run], weights.at.to(dtype)), ys[run]
             for part in weights.parts:
                 bt = part.bt.to(dtype)
