@@ -32,7 +32,7 @@ def small_pool(
     log = tmp_path_factory.mktemp("small-pool") / "server.log"
     server = start_server(
         model, adapters, "--kv-cache-memory", "128KiB", "--max-total-tokens", "1000",
-        "--cold-loads-per-minute", "1000", log=log,
+        "--cold-loads-per-minute", "1000", "--policies", "cold-budget,kv-namespace", log=log,
     )  # fmt: skip
     yield server
     assert server.stop() == 0

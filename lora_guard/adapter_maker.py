@@ -86,6 +86,32 @@ def make_adapters(
     Also writes ``out/adapters.json`` describing them. Returns the adapter folders.
     """
     specs = plan_adapters(n, ranks, seed, prefix, all_projections)
+    return write_adapters(base, out, specs, strength=strength, log=log)
+
+
+def named_specs(ranks: dict[str, int], seed: int = 0) -> list[AdapterSpec]:
+    """Specs for adapters of the given names and ranks, targets alternating as
+    :func:`plan_adapters` does (attention only, then attention and MLP)."""
+    specs = []
+    for i, (name, rank) in enumerate(ranks.items()):
+        if rank < 1:
+            raise AdapterMakerError(f"adapter {name!r}: rank must be positive, got {rank}")
+        mlp = MLP_MODULES if i % 2 else ()
+        specs.append(AdapterSpec(name, rank, 2 * rank, ATTENTION_MODULES + mlp, i % 3 == 2,
+                                 seed * 100_003 + i))  # fmt: skip
+    return specs
+
+
+def write_adapters(
+    base: Path,
+    out: Path,
+    specs: Sequence[AdapterSpec],
+    *,
+    strength: float = 0.1,
+    log: Callable[[str], None] = lambda _msg: None,
+) -> list[Path]:
+    """Write the adapters ``specs`` describe for the checkpoint in ``base`` into
+    ``out/<name>/``, and ``out/adapters.json``. Returns the adapter folders."""
     if not (base / "config.json").is_file():
         raise AdapterMakerError(f"{base} is not a Hugging Face checkpoint (no config.json)")
 

@@ -33,37 +33,42 @@ MIB = 2**20
 BATCHES = (1, 4, 16, 32)
 ADAPTERS_PER_BATCH = (0, 1, 4, 8)
 PROMPT_TOKENS = (16, 96)
-DEFAULT_SOURCE = "the demo model on a busy 2-core CPU, float32 (docs/simulate-costs.json)"
+DEFAULT_SOURCE = "the demo model on a quiet 2-core CPU, float32 (docs/simulate-costs.json)"
 
 
 @dataclass(frozen=True)
 class Costs:
     """Engine costs in milliseconds. The defaults are the demo model's (SmolLM2-135M, float32,
-    8 adapters of ranks 8 to 32 on every projection) on a 2-core CPU that other work shared (load
-    average 2.7 to 4.5), rounded from the run of ``lora-guard simulate --calibrate
-    docs/simulate-costs.json`` (docs/simulate.md)."""
+    8 adapters of ranks 8 to 32 on every projection) on a quiet 2-core CPU (load average 1.3 to
+    1.9, the calibration's own), rounded from the run of ``lora-guard simulate --calibrate
+    docs/simulate-costs.json`` (docs/simulate.md) of 2026-12-03."""
 
-    step_ms: float = 78.4
-    step_per_seq_ms: float = 5.95
-    step_per_adapter_mib_ms: float = 0.99
-    prefill_per_token_ms: float = 2.81
-    read_ms: float = -8.6  # an adapter's folder into host memory, on the loader thread
-    read_per_mib_ms: float = 3.15
-    write_ms: float = 18.2  # host memory into the cache pool, in the step
-    write_per_mib_ms: float = 0.33
+    step_ms: float = 33.4
+    step_per_seq_ms: float = 2.41
+    step_per_adapter_mib_ms: float = 0.0635
+    prefill_per_token_ms: float = 1.59
+    read_ms: float = -4.97  # an adapter's folder into host memory, on the loader thread
+    read_per_mib_ms: float = 2.73
+    write_ms: float = 10.6  # host memory into the cache pool, in the step
+    write_per_mib_ms: float = 0.226
     adapter_mib: float = 19.8  # one adapter's weights
     source: str = DEFAULT_SOURCE
 
-    def step(self, num_seqs: int, num_adapters: int, prefill_tokens: int) -> float:
+    def step(
+        self, num_seqs: int, num_adapters: int, prefill_tokens: int, mib: float | None = None
+    ) -> float:
+        """A step's cost; ``mib``: the adapter weights the batch reads (default: ``num_adapters``
+        of ``adapter_mib`` each)."""
+        mib = self.adapter_mib * num_adapters if mib is None else mib
         return (self.step_ms + self.step_per_seq_ms * num_seqs
-                + self.step_per_adapter_mib_ms * self.adapter_mib * num_adapters
+                + self.step_per_adapter_mib_ms * mib
                 + self.prefill_per_token_ms * prefill_tokens)  # fmt: skip
 
-    def read(self) -> float:
-        return self.read_ms + self.read_per_mib_ms * self.adapter_mib
+    def read(self, mib: float | None = None) -> float:
+        return self.read_ms + self.read_per_mib_ms * (self.adapter_mib if mib is None else mib)
 
-    def write(self) -> float:
-        return self.write_ms + self.write_per_mib_ms * self.adapter_mib
+    def write(self, mib: float | None = None) -> float:
+        return self.write_ms + self.write_per_mib_ms * (self.adapter_mib if mib is None else mib)
 
     def load(self) -> float:
         """A cold load: read from disk, then written into the pool."""

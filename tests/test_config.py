@@ -228,7 +228,7 @@ def test_unknown_environment_variables(tmp_path: Path) -> None:
         (["--device", "tpu"], {}, None, r"--device: bad value 'tpu'"),
         ([], {"LORA_GUARD_DTYPE": "int8"}, None, r"--dtype: .*LORA_GUARD_DTYPE"),
         (["--policies", "lru,hot-set"], {}, None, r"--policies: .*cannot be combined"),
-        ([], {"LORA_GUARD_POLICIES": "fifo"}, None, r"--policies: .*LORA_GUARD_POLICIES.*fifo"),
+        ([], {"LORA_GUARD_POLICIES": "best"}, None, r"--policies: .*LORA_GUARD_POLICIES.*best"),
         ([], {}, 'kv-cache-memory = "lots"', r"--kv-cache-memory: bad value 'lots' from config"),
         ([], {"LORA_GUARD_NO_PREFIX_CACHING": "maybe"}, None,
          r"--no-prefix-caching: .*LORA_GUARD_NO_PREFIX_CACHING: expected true or false"),

@@ -6,35 +6,58 @@ engine (scheduler, residency, cache pool, policies, a tiny model's forward) runs
 as it can, and the engine's clock (``time.monotonic``, which every policy and the residency quantum
 read) advances by what that step would cost on the demo model: the simulator's calibrated costs
 (``simulate_costs.Costs``: a fixed part, a part per sequence, per MiB of adapter weights the batch
-reads and per prompt token, plus each adapter written into the pool). A read from disk lands at the
-next step. Arrivals are replayed on that clock, at ``--load`` of the capacity measured the same way
-(the bench's capacity run, on the base model). The same command gives the same figures on any
+reads and per prompt token, plus each adapter written into the pool, per MiB). Adapter bytes are
+counted as the same adapter (rank, targets) would take on the demo model. A read from disk lands at
+the next step. A request a policy turns away (429) is sent again after its retry-after, as a
+client would. Arrivals are replayed on that clock, at ``--load`` of the capacity measured the same
+way (the bench's capacity run, on the base model). The same command gives the same figures on any
 machine, busy or not; what it cannot show is a real cost the model leaves out.
 
-    python -m lora_guard.bench.virtual_time --max-loras 8 --schemes base,lru,lora-guard
+    python -m lora_guard.bench.virtual_time --scenario pressure --seeds 0,1,2 --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
+import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from lora_guard.bench.capacity import CAPACITY_BATCH, Capacity, arrival_rate, capacity_prompts
-from lora_guard.bench.replay import RequestRecord
+from lora_guard.bench.hit_rate import compulsory_hit_bound
+from lora_guard.bench.replay import Bind, BindRecorder, RequestRecord
 from lora_guard.bench.report import decode_tokens_per_s, request_tokens_per_s
 from lora_guard.bench.stats import percentile
-from lora_guard.bench.workload import SCENARIOS, TraceRequest, WorkloadSpec, make_trace
-from lora_guard.simulate_costs import Costs, read_costs
+from lora_guard.bench.workload import (
+    SCENARIOS,
+    TraceError,
+    TraceRequest,
+    WorkloadSpec,
+    make_trace,
+    pressure_spec,
+    read_trace,
+)
+from lora_guard.plugins import hookimpl
+from lora_guard.simulate_costs import MIB, Costs, read_costs
 
-SCHEMES = {"base": "lru", "lru": "lru", "lora-guard": None}  # scheme -> policies (None: defaults)
+#: scheme -> ``--policies`` (None: the defaults, lora-guard's guard policies)
+SCHEMES: dict[str, str | None] = {
+    "base": "lru", "lru": "lru", "fifo": "fifo", "drain": "drain", "time-slice": "time-slice",
+    "s3-fifo": "s3-fifo", "w-tinylfu": "w-tinylfu", "lora-guard": None,
+}  # fmt: skip
 IDLE_S = 100.0  # virtual seconds between the warm-up and the replay: the warm-up's heat is gone
+PRESSURE_RANKS = (8, 16, 32, 64)  # with targets alternating: 21x in bytes from least to most
+PRESSURE_FACTOR = 3.0  # adapters in use over a minute / the room beside the KV the load needs
+WINDOW_S = 60.0
+#: SmolLM2-135M (the demo model the costs were measured on): hidden, intermediate, layers, k/v width
+DEMO_SHAPE = (576, 1536, 30, 192)
 
 
 class VirtualClock:
@@ -56,70 +79,149 @@ def virtual_clock() -> Iterator[VirtualClock]:
         time.monotonic = real
 
 
-@dataclass(frozen=True)
+def lora_bytes_per_rank(hidden: int, intermediate: int, layers: int, kv_width: int) -> int:
+    """Float32 bytes of one rank of a LoRA on every projection of a Llama model."""
+    attention = 2 * (hidden + hidden) + 2 * (hidden + kv_width)
+    return (attention + 3 * (hidden + intermediate)) * layers * 4
+
+
+def demo_scale(model: Path) -> float:
+    """Bytes of an adapter on the demo model per byte of the same adapter on ``model``."""
+    config = json.loads((model / "config.json").read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv_width = config.get("num_key_value_heads", heads) * hidden // heads
+    here = lora_bytes_per_rank(hidden, config["intermediate_size"],
+                               config["num_hidden_layers"], kv_width)  # fmt: skip
+    return lora_bytes_per_rank(*DEMO_SHAPE) / here
+
+
+@dataclass
 class Result:
     scheme: str
     records: list[RequestRecord]
+    tenants: dict[str, str]  # request id -> tenant
     loads: int
+    binds: list[Bind] = field(default_factory=list)
+    start_resident: tuple[str, ...] = ()
+    rejected: int = 0
+    cache_memory: int = 0
+    arrivals: list[tuple[str, bool]] = field(default_factory=list)  # adapter, resident then
 
     def figures(self) -> dict[str, Any]:
         done = [r for r in self.records if r.error is None and r.first_token is not None]
         ttft = [(r.first_token - r.arrival) * 1000 for r in done if r.first_token is not None]
         speeds = [s for r in done if (s := request_tokens_per_s(r)) is not None]
         decode = [s for r in done if (s := decode_tokens_per_s(r)) is not None]
-        return {"scheme": self.scheme, "completed": f"{len(done)}/{len(self.records)}",
-                "ttft_p50_ms": percentile(ttft, 50), "ttft_p95_ms": percentile(ttft, 95),
-                "tail_tokens_per_s": percentile(speeds, 5),
-                "decode_tail_tokens_per_s": percentile(decode, 5), "loads": self.loads}  # fmt: skip
+        waits = [b.wait_ms for b in self.binds if b.wait_ms is not None]
+        asked = [a for a, _ in self.arrivals]
+        attempts = self.loads + self.rejected
+        return {
+            "scheme": self.scheme, "completed": len(done), "requests": len(self.records),
+            "ttft_p50_ms": percentile(ttft, 50), "ttft_p95_ms": percentile(ttft, 95),
+            "tail_tokens_per_s": percentile(speeds, 5),
+            "decode_tail_tokens_per_s": percentile(decode, 5),
+            "hit_rate": sum(hit for _, hit in self.arrivals) / len(asked) if asked else None,
+            "hit_rate_bound": compulsory_hit_bound(asked, self.start_resident) if asked else None,
+            "loads": self.loads,
+            "adapter_wait_ms_p95": percentile(waits, 95),
+            "cold_fail_ratio": self.rejected / attempts if attempts else 0.0,
+            "retries": sum(r.retries for r in self.records),
+        }  # fmt: skip
+
+    def tenant_ttft_p95(self) -> dict[str, float | None]:
+        by_tenant: dict[str, list[float]] = {}
+        for r in self.records:
+            if r.error is None and r.first_token is not None:
+                ttft = (r.first_token - r.arrival) * 1000
+                by_tenant.setdefault(self.tenants[r.id], []).append(ttft)
+        return {t: percentile(v, 95) for t, v in sorted(by_tenant.items())}
+
+
+class _Writes:
+    """Observes the adapters written into the pool (demo-model MiB each), for the step's cost."""
+
+    def __init__(self, mib: dict[str, float]) -> None:
+        self.mib, self.written = mib, list[float]()
+
+    @hookimpl
+    def lora_guard_adapter_loaded(self, adapter_id: str) -> None:
+        self.written.append(self.mib.get(adapter_id, 0.0))
 
 
 class Replay:
     """One engine driven step by step on the virtual clock."""
 
-    def __init__(self, llm: Any, clock: VirtualClock, costs: Costs) -> None:
+    def __init__(
+        self, llm: Any, clock: VirtualClock, costs: Costs, adapter_mib: dict[str, float],
+        scale: float,
+    ) -> None:  # fmt: skip
         self.llm, self.engine, self.clock, self.costs = llm, llm.engine, clock, costs
+        self.scale = scale  # demo-model bytes per byte of this model's adapters
+        self.writes = _Writes(adapter_mib)
+        self.engine.hooks.pm.register(self.writes, name="virtual-time-writes")
+        self.engine.scheduler.reject_when_busy = True  # a server's 429, not an offline wait
+        self.peak_kv_blocks = 0
+        self.arrivals: list[tuple[str, bool]] = []  # each request's adapter, and if resident
 
     def step(self) -> list[Any]:
         """One engine step; the clock moves by its cost (a read from disk lands by the next)."""
-        stats, loads = self.engine.stats, self.engine.adapters.stats.loads
+        stats = self.engine.stats
         steps = stats.steps
+        self.writes.written.clear()
         outputs = self.engine.step()
-        written = self.engine.adapters.stats.loads - loads
         cost_ms = 1.0  # a step that computed nothing
         if stats.steps > steps:
             ran = stats.recent_steps[-1]
-            cost_ms = self.costs.step(ran.seqs, ran.adapters, ran.prefill_tokens)
-        self.clock.now += (cost_ms + written * self.costs.write()) / 1000
+            mib = ran.adapter_bytes * self.scale / MIB
+            cost_ms = self.costs.step(ran.seqs, ran.adapters, ran.prefill_tokens, mib)
+        cost_ms += sum(self.costs.write(mib) for mib in self.writes.written)
+        self.clock.now += cost_ms / 1000
+        self.peak_kv_blocks = max(self.peak_kv_blocks, self.engine.blocks.num_used_blocks)
         while not all(f.done() for f in self.engine.adapters.loader.pending.values()):
             time.sleep(0.0005)
         return list(outputs)
 
-    def run(self, trace: Sequence[TraceRequest], adapters: bool) -> list[RequestRecord]:
+    def run(self, trace: Sequence[TraceRequest], adapters: bool) -> tuple[list[RequestRecord], int]:
+        """Replay ``trace``; the records, and how many answers were 429s (each sent again)."""
         from lora_guard.engine import SamplingParams
 
         start = self.clock.now
-        pending = sorted(trace, key=lambda r: r.time)
-        records: dict[str, RequestRecord] = {}
-        i = 0
-        while i < len(pending) or self.engine.has_unfinished_requests():
-            idle = not self.engine.has_unfinished_requests()
-            if idle and self.clock.now - start < pending[i].time:
-                self.clock.now = start + pending[i].time  # nothing to do until the next arrival
-            while i < len(pending) and pending[i].time <= self.clock.now - start:
-                r = pending[i]
-                i += 1
+        by_id = {r.id: r for r in trace}
+        due = [(r.time, i, r.id) for i, r in enumerate(trace)]
+        heapq.heapify(due)
+        records = {r.id: RequestRecord(r.id, r.adapter_id if adapters else None, r.time)
+                   for r in trace}  # fmt: skip
+        attempt_of: dict[str, str] = {}
+        rejected, tiebreak = 0, len(trace)
+        while due or self.engine.has_unfinished_requests():
+            if not self.engine.has_unfinished_requests() and self.clock.now - start < due[0][0]:
+                self.clock.now = start + due[0][0]  # nothing to do until the next arrival
+            while due and due[0][0] <= self.clock.now - start:
+                _, _, trace_id = heapq.heappop(due)
+                r, record = by_id[trace_id], records[trace_id]
+                attempt = f"{trace_id}#{record.retries}"
                 params = SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=True)
-                adapter = r.adapter_id if adapters else None
-                self.engine.add_request(r.id, self.llm.tokenizer.encode(r.prompt), params,
-                                        adapter, r.tenant)  # fmt: skip
-                records[r.id] = RequestRecord(r.id, adapter, r.time)
+                if record.adapter_id is not None and not record.retries:
+                    hit = self.engine.adapters.current(record.adapter_id) is not None
+                    self.arrivals.append((record.adapter_id, hit))
+                self.engine.add_request(attempt, self.llm.tokenizer.encode(r.prompt), params,
+                                        record.adapter_id, r.tenant)  # fmt: skip
+                attempt_of[attempt] = trace_id
             for out in self.step():
-                record, now = records[out.request_id], self.clock.now - start
+                record, now = records[attempt_of[out.request_id]], self.clock.now - start
                 if out.token_ids and record.first_token is None:
                     record.first_token = now
-                if out.finished:
-                    record.finish, record.tokens, record.error = now, list(out.token_ids), out.error
-        return list(records.values())
+                if not out.finished:
+                    continue
+                del attempt_of[out.request_id]
+                if out.error is not None and out.retry_after is not None:
+                    rejected += 1
+                    record.retries += 1
+                    tiebreak += 1
+                    heapq.heappush(due, (now + out.retry_after, tiebreak, record.id))
+                    continue
+                record.finish, record.tokens, record.error = now, list(out.token_ids), out.error
+        return list(records.values()), rejected
 
 
 def warm_up(replay: Replay, adapter_ids: Sequence[str]) -> None:
@@ -134,43 +236,223 @@ def warm_up(replay: Replay, adapter_ids: Sequence[str]) -> None:
     replay.clock.now += IDLE_S
 
 
-def capacity(
-    llm: Any, clock: VirtualClock, costs: Costs, spec: WorkloadSpec, ids: list[str]
-) -> Capacity:
+@dataclass
+class Bench:
+    """What every replay of a study shares: the model, its adapters, their sizes, the costs."""
+
+    model: Path
+    adapter_dir: Path
+    adapter_ids: list[str]
+    costs: Costs
+    max_loras: int = 0
+    scale: float = 1.0
+    adapter_bytes: dict[str, int] = field(default_factory=dict)  # files, on this model
+
+    def demo_mib(self) -> dict[str, float]:
+        return {a: b * self.scale / MIB for a, b in self.adapter_bytes.items()}
+
+    def llm(self, policies: str | None, cache_memory: int, max_loras: int) -> Any:
+        from lora_guard.engine import LLM
+
+        return LLM(self.model, adapter_dir=self.adapter_dir, max_cpu_loras=len(self.adapter_ids),
+                   cache_memory=cache_memory, max_loras=max_loras, max_lora_rank=64,
+                   policies=policies)  # fmt: skip
+
+    def replay(self, llm: Any, clock: VirtualClock) -> Replay:
+        return Replay(llm, clock, self.costs, self.demo_mib(), self.scale)
+
+
+def capacity(bench: Bench, spec: WorkloadSpec) -> Capacity:
     """The bench's capacity run (``CAPACITY_BATCH`` requests at once, base model), virtually."""
     trace = [TraceRequest(f"cap-{i}", 0.0, "t0", None, prompt, n)
-             for i, (prompt, n) in enumerate(capacity_prompts(spec, ids))]  # fmt: skip
-    replay = Replay(llm, clock, costs)
-    started = clock.now
-    records = replay.run(trace, adapters=False)
-    elapsed = clock.now - started
+             for i, (prompt, n) in enumerate(capacity_prompts(spec, bench.adapter_ids))
+             ]  # fmt: skip
+    with virtual_clock() as clock:
+        llm = bench.llm("lru", 64 * MIB, 0)
+        replay = bench.replay(llm, clock)
+        started = clock.now
+        records, _ = replay.run(trace, adapters=False)
+        elapsed = clock.now - started
+        llm.engine.shutdown()
     tokens = sum(len(r.tokens) for r in records)
     return Capacity(len(records) / elapsed, tokens / elapsed, CAPACITY_BATCH, tokens / len(records))
 
 
-def study(
-    spec: WorkloadSpec, schemes: Sequence[str], max_loras: int, costs: Costs, load: float,
-    make_llm: Callable[..., Any], adapter_ids: list[str],
-) -> tuple[float, list[Result]]:  # fmt: skip
-    """The rate the load sets, and each scheme's result on the same trace."""
+def run_scheme(
+    bench: Bench, scheme: str, trace: Sequence[TraceRequest], cache_memory: int
+) -> tuple[Result, int]:
+    """``scheme`` replaying ``trace``; its result, and the most KV blocks' bytes it held."""
     with virtual_clock() as clock:
-        base = make_llm(policies="lru")
-        cap = capacity(base, clock, costs, spec, adapter_ids)
-        base.engine.shutdown()
-    rate = arrival_rate(spec, load, cap)
-    trace = make_trace(replace(spec, rate=rate), adapter_ids)
-    results = []
+        max_loras = 0 if scheme == "base" else bench.max_loras
+        llm = bench.llm(SCHEMES[scheme], cache_memory, max_loras)
+        replay = bench.replay(llm, clock)
+        adapters = scheme != "base"
+        if adapters:
+            warm_up(replay, sorted({r.adapter_id for r in trace if r.adapter_id}))
+        engine = llm.engine
+        loads = engine.adapters.stats.loads
+        resident = tuple(e.adapter_id for e in engine.adapters.residents() if not e.stale)
+        recorder = BindRecorder(clock.now, merged=False)
+        engine.hooks.pm.register(recorder, name="virtual-time-binds")
+        replay.peak_kv_blocks = 0
+        records, rejected = replay.run(trace, adapters)
+        engine.check_no_leaks()
+        tenants = {r.id: r.tenant for r in trace}
+        result = Result(scheme, records, tenants, engine.adapters.stats.loads - loads,
+                        recorder.ordered_binds(), resident, rejected, cache_memory,
+                        replay.arrivals)  # fmt: skip
+        kv_bytes = replay.peak_kv_blocks * engine.pool.nbytes() // engine.pool.num_pages
+        engine.shutdown()
+    return result, kv_bytes
+
+
+def window_bytes(trace: Sequence[TraceRequest], sizes: dict[str, int]) -> list[int]:
+    """Bytes of the distinct adapters each full ``WINDOW_S`` window of ``trace`` asks for (one
+    window starting at each request)."""
+    asked = [(r.time, r.adapter_id) for r in trace if r.adapter_id is not None]
+    end = asked[-1][0] if asked else 0.0
+    out = []
+    for i, (start, _) in enumerate(asked):
+        if start + WINDOW_S > end:
+            break
+        names = {a for t, a in asked[i:] if t < start + WINDOW_S}
+        out.append(sum(sizes[a] for a in names))
+    return out
+
+
+@dataclass
+class Pressure:
+    """How the pool of a ``pressure`` study is sized: the KV the load needs, and room for a
+    third of the adapters in use over a minute."""
+
+    kv_bytes: int
+    window_bytes_p10: int
+    window_bytes_p50: int
+
+    @property
+    def cache_memory(self) -> int:
+        return self.kv_bytes + int(self.window_bytes_p10 / PRESSURE_FACTOR)
+
+    def summary(self) -> dict[str, Any]:
+        room = self.cache_memory - self.kv_bytes
+        return {"kv_mib": self.kv_bytes / MIB, "adapter_room_mib": room / MIB,
+                "cache_memory_mib": self.cache_memory / MIB,
+                "in_use_per_minute_over_room_p10": self.window_bytes_p10 / room,
+                "in_use_per_minute_over_room_p50": self.window_bytes_p50 / room}  # fmt: skip
+
+
+@dataclass
+class SeedRun:
+    seed: int | None
+    rate: float | None
+    results: list[Result]
+    pressure: Pressure | None = None
+    calm: list[Result] = field(default_factory=list)  # tenant-storm: the trace without the storm
+
+
+def study(
+    bench: Bench, spec: WorkloadSpec, schemes: Sequence[str], load: float,
+    trace: list[TraceRequest] | None = None, cache_memory: int | None = None,
+) -> SeedRun:  # fmt: skip
+    """Every scheme on one trace (``trace``, or one drawn from ``spec`` at ``load`` of the
+    capacity). The pool is ``cache_memory``, or for ``pressure`` sized by :class:`Pressure`
+    (64 MiB otherwise)."""
+    rate = None
+    if trace is None:
+        rate = arrival_rate(spec, load, capacity(bench, spec))
+        trace = make_trace(replace(spec, rate=rate), bench.adapter_ids)
+    results: dict[str, Result] = {}
+    pressure = None
+    if cache_memory is None and spec.scenario == "pressure":
+        base, kv_bytes = run_scheme(bench, "base", trace, 64 * MIB)
+        windows = window_bytes(trace, bench.adapter_bytes) or [0]
+        pressure = Pressure(kv_bytes, int(percentile(windows, 10) or 0),
+                            int(percentile(windows, 50) or 0))  # fmt: skip
+        cache_memory = pressure.cache_memory
+        if "base" in schemes:
+            results["base"] = replace(base, cache_memory=cache_memory)
+    pool = cache_memory or 64 * MIB
     for scheme in schemes:
-        with virtual_clock() as clock:
-            llm = make_llm(policies=SCHEMES[scheme], max_loras=max_loras)
-            replay = Replay(llm, clock, costs)
-            warm_up(replay, adapter_ids)
-            loads = llm.engine.adapters.stats.loads
-            records = replay.run(trace, adapters=scheme != "base")
-            llm.engine.check_no_leaks()
-            results.append(Result(scheme, records, llm.engine.adapters.stats.loads - loads))
-            llm.engine.shutdown()
-    return rate, results
+        if scheme not in results:
+            results[scheme] = run_scheme(bench, scheme, trace, pool)[0]
+    calm = []
+    if spec.scenario == "tenant-storm" and rate is not None:
+        quiet = make_trace(replace(spec, rate=rate, scenario="zipf"), bench.adapter_ids)
+        calm = [run_scheme(bench, s, quiet, pool)[0] for s in schemes]
+    return SeedRun(spec.seed, rate, [results[s] for s in schemes], pressure, calm)
+
+
+def report(runs: Sequence[SeedRun], schemes: Sequence[str]) -> dict[str, Any]:
+    """Medians over the seeds of each scheme's figures (``completed`` and ``requests`` summed),
+    each seed's figures under ``runs``, and each tenant's TTFT p95."""
+    per_scheme: dict[str, list[dict[str, Any]]] = {s: [] for s in schemes}
+    tenants: dict[str, dict[str, list[float]]] = {}
+    for run in runs:
+        for result in run.results:
+            per_scheme[result.scheme].append(result.figures())
+            for tenant, p95 in result.tenant_ttft_p95().items():
+                if p95 is not None:
+                    tenants.setdefault(tenant, {}).setdefault(result.scheme, []).append(p95)
+    out: dict[str, Any] = {"schemes": {}, "tenants": {}, "runs": []}
+    for scheme, rows in per_scheme.items():
+        merged: dict[str, Any] = {}
+        for key in rows[0]:
+            values = [row[key] for row in rows]
+            if key in ("completed", "requests", "retries"):
+                merged[key] = sum(values)
+            elif all(isinstance(v, int | float) for v in values):
+                merged[key] = statistics.median(values)
+            elif key != "scheme":
+                merged[key] = None
+        out["schemes"][scheme] = merged
+    for tenant, by_scheme in sorted(tenants.items()):
+        out["tenants"][tenant] = {s: {"ttft_p95_ms": statistics.median(v)}
+                                  for s, v in by_scheme.items()}  # fmt: skip
+    storm = [run for run in runs if run.calm]
+    if storm:
+        out["storm"] = {s: statistics.median(_storm_ratio(run, s) for run in storm)
+                        for s in schemes}  # fmt: skip
+    for run in runs:
+        out["runs"].append({
+            "seed": run.seed, "rate": run.rate,
+            "pool": run.pressure.summary() if run.pressure else None,
+            "schemes": {r.scheme: r.figures() for r in run.results},
+        })  # fmt: skip
+    return out
+
+
+def _storm_ratio(run: SeedRun, scheme: str) -> float:
+    """The other tenants' TTFT p95 with tenant t0's storm over the same without it."""
+
+    def others_p95(results: list[Result]) -> float:
+        result = next(r for r in results if r.scheme == scheme)
+        ttft = [(r.first_token - r.arrival) * 1000 for r in result.records
+                if r.first_token is not None and result.tenants[r.id] != "t0"]  # fmt: skip
+        return percentile(ttft, 95) or 0.0
+
+    calm = others_p95(run.calm)
+    return others_p95(run.results) / calm if calm else float("inf")
+
+
+def trace_ranks(path: Path) -> dict[str, int]:
+    """Each adapter a JSONL trace names, with its rank: the line's ``rank`` field, else the
+    ranks of :data:`PRESSURE_RANKS` in turn."""
+    ranks: dict[str, int] = {}
+    with path.open() as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            data = json.loads(line)
+            adapter = data.get("adapter_id")
+            if adapter is None:
+                continue
+            if not isinstance(adapter, str) or not adapter or Path(adapter).name != adapter:
+                raise TraceError(f"{path}:{number}: adapter_id must be a plain name: {adapter!r}")
+            rank = data.get("rank", PRESSURE_RANKS[len(ranks) % len(PRESSURE_RANKS)])
+            if not isinstance(rank, int) or not 1 <= rank <= 64:
+                raise TraceError(f"{path}:{number}: rank must be a whole number 1-64: {rank!r}")
+            ranks.setdefault(adapter, rank)
+    return ranks
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -178,52 +460,122 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m lora_guard.bench.virtual_time",
         description="The bench workload through the real engine and policies on a virtual clock.",
     )
-    parser.add_argument("--schemes", default="base,lru,lora-guard",
-                        help=f"comma-separated, of {', '.join(SCHEMES)}")  # fmt: skip
-    parser.add_argument("--max-loras", type=int, default=0, help="adapter seats (0: no cap)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--adapters", type=int, default=24)
-    parser.add_argument("--load", type=float, default=0.7, help="share of the capacity")
-    parser.add_argument("--scenario", choices=SCENARIOS, default="zipf")
-    parser.add_argument("--output-mean", type=float, default=64.0)
-    parser.add_argument("--costs", type=Path, help="costs JSON (simulate --calibrate)")
-    parser.add_argument("--json", type=Path, help="write the figures here")
+    add = parser.add_argument
+    add("--schemes", default="base,lru,lora-guard",
+        help=f"comma-separated, of {', '.join(SCHEMES)}")  # fmt: skip
+    add("--scenario", choices=SCENARIOS, default="zipf")
+    add("--trace", type=Path, help="replay this JSONL trace (the bench's format; adapters it names "
+        "are made for the tiny model, ranks from an optional 'rank' field)")  # fmt: skip
+    add("--max-loras", type=int, default=0, help="adapter seats (0: no cap, the pages decide)")
+    add("--seeds", default=None, help="comma-separated trace seeds (default: 0)")
+    add("--seed", type=int, help="one seed: --seeds N")
+    add("--requests", type=int, help="requests per seed (default 200; pressure: 1000)")
+    add("--adapters", type=int, help="adapters (default 24; pressure: 200)")
+    add("--tenants", type=int, help="tenants (default 6; pressure: 8)")
+    add("--load", type=float, default=0.7, help="share of the capacity")
+    add("--output-mean", type=float, default=64.0)
+    add("--cache-memory", help="the cache pool, e.g. 16MiB (default: 64MiB; pressure: sized so "
+        "the adapters in use over a minute take 3x the room beside the KV the load needs)",
+        )  # fmt: skip
+    add("--costs", type=Path, help="costs JSON (simulate --calibrate)")
+    add("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     schemes = [s for s in args.schemes.split(",") if s]
     unknown = [s for s in schemes if s not in SCHEMES]
     if unknown:
         parser.error(f"unknown scheme {unknown[0]!r}; choose from {', '.join(SCHEMES)}")
-    from lora_guard.adapter_maker import make_adapters
-    from lora_guard.engine import LLM
-    from lora_guard.testing import make_tiny_llama
-
+    seeds = _seeds(parser, args)
+    cache_memory = _bytes(parser, args.cache_memory) if args.cache_memory else None
+    spec = _spec(args)
     costs = read_costs(args.costs) if args.costs else Costs()
-    spec = WorkloadSpec(requests=args.requests, adapters=args.adapters, seed=args.seed,
-                        scenario=args.scenario, output_mean=args.output_mean)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_tiny_llama(Path(tmp) / "model", max_position_embeddings=4096)
-        folders = make_adapters(model, Path(tmp) / "adapters", n=spec.adapters, ranks=(4, 8, 16),
-                                prefix="demo", all_projections=True)  # fmt: skip
-        ids = sorted(f.name for f in folders)
-
-        def make_llm(**kw: Any) -> Any:
-            return LLM(model, adapter_dir=Path(tmp) / "adapters", max_cpu_loras=len(ids),
-                       cache_memory="64MiB", **kw)  # fmt: skip
-
-        rate, results = study(spec, schemes, args.max_loras, costs, args.load, make_llm, ids)
-    rows = [r.figures() for r in results]
-    print(f"virtual time: {len(schemes)} schemes, seed {args.seed}, {args.requests} requests, "
-          f"load {args.load} (rate {rate:.3f}/s outside bursts), max_loras {args.max_loras}; "
-          f"costs: {costs.source}")  # fmt: skip
-    keys = list(rows[0]) if rows else []
+        bench = _make_bench(Path(tmp), spec, args, costs)
+        trace = read_trace(args.trace) if args.trace else None
+        runs = [study(bench, replace(spec, seed=seed), schemes, args.load, trace, cache_memory)
+                for seed in (seeds if trace is None else [seeds[0]])]  # fmt: skip
+    out = report(runs, schemes)
+    out = {"scenario": "trace" if args.trace else spec.scenario,
+           "seeds": None if args.trace else seeds, "requests": spec.requests,
+           "max_loras": args.max_loras, "load": args.load, "costs": costs.source,
+           **out}  # fmt: skip
+    rates = ", ".join(f"{r.rate:.3f}/s" for r in runs if r.rate is not None)
+    print(f"virtual time: {out['scenario']}, seeds {out['seeds']}, {spec.requests} requests a "
+          f"seed, load {args.load} (rate {rates or 'from the trace'} outside bursts), "
+          f"max_loras {args.max_loras}; costs: {costs.source}")  # fmt: skip
+    for run in runs:
+        if run.pressure:
+            pool = run.pressure.summary()
+            print(
+                f"seed {run.seed}: pool {pool['cache_memory_mib']:.1f} MiB = KV "
+                f"{pool['kv_mib']:.1f} + adapter room {pool['adapter_room_mib']:.1f}; adapters "
+                f"in use over a minute {pool['in_use_per_minute_over_room_p50']:.1f}x the room "
+                f"(median; 10th percentile {pool['in_use_per_minute_over_room_p10']:.1f}x)"
+            )
+    rows = list(out["schemes"].values())
+    keys = ["scheme", *[k for k in rows[0] if k != "scheme"]] if rows else []
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
-    for row in rows:
-        print("| " + " | ".join(_cell(row[k]) for k in keys) + " |")
+    for scheme, row in out["schemes"].items():
+        print("| " + " | ".join(_cell(scheme if k == "scheme" else row[k]) for k in keys) + " |")
+    if "storm" in out:
+        print("other tenants' TTFT p95, storm / no storm: "
+              + ", ".join(f"{s} {v:.2f}x" for s, v in out["storm"].items()))  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps({"rate": rate, "rows": rows}, indent=2))
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
+
+
+def _seeds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:
+    if args.seeds is not None and args.seed is not None:
+        parser.error("give --seeds or --seed, not both")
+    if args.seed is not None:
+        return [args.seed]
+    try:
+        seeds = [int(s) for s in (args.seeds or "0").split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--seeds takes whole numbers such as 0,1,2, got {args.seeds!r}")
+    if not seeds or len(set(seeds)) != len(seeds):
+        parser.error(f"--seeds takes distinct whole numbers such as 0,1,2, got {args.seeds!r}")
+    return seeds
+
+
+def _bytes(parser: argparse.ArgumentParser, text: str) -> int:
+    from lora_guard.engine.config import ConfigError, parse_memory
+
+    try:
+        return parse_memory(text)
+    except ConfigError as exc:
+        parser.error(f"--cache-memory: {exc}")
+
+
+def _spec(args: argparse.Namespace) -> WorkloadSpec:
+    given = {k: v for k, v in (("adapters", args.adapters), ("tenants", args.tenants),
+                               ("requests", args.requests)) if v is not None}  # fmt: skip
+    spec = WorkloadSpec(requests=200, output_mean=args.output_mean, scenario=args.scenario)
+    if args.scenario == "pressure":
+        return pressure_spec(spec, **{"requests": 1000, **given})
+    return replace(spec, **given)
+
+
+def _make_bench(tmp: Path, spec: WorkloadSpec, args: argparse.Namespace, costs: Costs) -> Bench:
+    """A tiny model and the study's adapters: mixed ranks and targets for ``pressure`` and a
+    trace, ranks 4-16 on every projection otherwise."""
+    from lora_guard.adapter_maker import make_adapters, named_specs, write_adapters
+    from lora_guard.testing import make_tiny_llama
+
+    model = make_tiny_llama(tmp / "model", max_position_embeddings=4096)
+    out = tmp / "adapters"
+    if args.trace:
+        folders = write_adapters(model, out, named_specs(trace_ranks(args.trace)), strength=0.5)
+    elif spec.scenario == "pressure":
+        folders = make_adapters(model, out, n=spec.adapters, ranks=PRESSURE_RANKS, prefix="demo",
+                                strength=0.5)  # fmt: skip
+    else:
+        folders = make_adapters(model, out, n=spec.adapters, ranks=(4, 8, 16), prefix="demo",
+                                all_projections=True)  # fmt: skip
+    sizes = {f.name: sum(p.stat().st_size for p in f.glob("*.safetensors")) for f in folders}
+    return Bench(model, out, [f.name for f in folders], costs, args.max_loras, demo_scale(model),
+                 sizes)  # fmt: skip
 
 
 def _cell(value: Any) -> str:

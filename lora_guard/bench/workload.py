@@ -15,7 +15,7 @@ import json
 import math
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 _WORD_LIST = (
@@ -26,7 +26,7 @@ _WORD_LIST = (
 _WORDS = _WORD_LIST.split()
 
 
-SCENARIOS = ("zipf", "uniform", "burst", "tenant-storm")
+SCENARIOS = ("zipf", "uniform", "burst", "tenant-storm", "pressure")
 BURST_ADAPTERS = 12  # adapters the cold tenant of the ``burst`` scenario brings at once
 STORM_FACTOR = 8.0  # the flooding tenant's arrival rate over everyone else's, in ``tenant-storm``
 
@@ -57,8 +57,23 @@ class WorkloadSpec:
     seed: int = 0
     # zipf: popularity 1/(i+1)**zipf; uniform: every adapter alike; burst: halfway through, a new
     # tenant arrives with 12 adapters nobody used before, one request each at once; tenant-storm:
-    # over the middle third, tenant t0 adds 8x the rest's traffic on its own adapters.
+    # over the middle third, tenant t0 adds 8x the rest's traffic on its own adapters; pressure:
+    # zipf whose ranking drifts (every drift_every_s, each of the hot_ranks most popular places
+    # is handed, with chance drift_share, to an adapter drawn from the rest).
     scenario: str = "zipf"
+    drift_every_s: float = 60.0
+    drift_share: float = 0.25
+    hot_ranks: int = 16
+
+
+#: What ``pressure`` changes in a spec (``pressure_spec``): many adapters, many tenants.
+PRESSURE = {"adapters": 200, "tenants": 8}
+
+
+def pressure_spec(spec: WorkloadSpec, **given: object) -> WorkloadSpec:
+    """``spec`` as the ``pressure`` scenario runs it: :data:`PRESSURE` where ``given`` (the
+    settings a user named) does not say otherwise."""
+    return replace(spec, scenario="pressure", **{**PRESSURE, **given})  # type: ignore[arg-type]
 
 
 def mean_rate(spec: WorkloadSpec) -> float:
@@ -105,14 +120,18 @@ def make_trace(spec: WorkloadSpec, adapter_ids: Sequence[str]) -> list[TraceRequ
         return _Arrival(time, tenant, index, prompt, out)
 
     arrivals: list[_Arrival] = []
-    now = 0.0
+    now, next_drift = 0.0, spec.drift_every_s
+    ranking = list(range(len(adapters)))  # popularity place -> adapter index
     for _ in range(spec.requests):
         in_burst = (now % spec.burst_every_s) < spec.burst_len_s
         now += rng.expovariate(spec.rate * (spec.burst_factor if in_burst else 1.0))
+        while spec.scenario == "pressure" and now >= next_drift:
+            _drift(rng, ranking, spec)
+            next_drift += spec.drift_every_s
         if rng.random() < spec.base_share:
             arrivals.append(request(now, rng.randrange(spec.tenants), None))
         else:
-            index = rng.choices(range(len(adapters)), weights=weights)[0]
+            index = ranking[rng.choices(range(len(adapters)), weights=weights)[0]]
             arrivals.append(request(now, index % spec.tenants, index))
     if spec.scenario == "burst":
         # Halfway through, a new tenant sends one request for each of its 12 adapters, 10 ms
@@ -145,6 +164,15 @@ def make_trace(spec: WorkloadSpec, adapter_ids: Sequence[str]) -> list[TraceRequ
         )
         for n, a in enumerate(arrivals)
     ]
+
+
+def _drift(rng: random.Random, ranking: list[int], spec: WorkloadSpec) -> None:
+    """Hand some of the most popular places to adapters from the rest of the ranking."""
+    hot = min(spec.hot_ranks, len(ranking) - 1)
+    for place in range(hot):
+        if rng.random() < spec.drift_share:
+            other = rng.randrange(hot, len(ranking))
+            ranking[place], ranking[other] = ranking[other], ranking[place]
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,9 @@ class Scheduler:
         self.waiting.append(seq)
         if seq.adapter_id is not None and self.adapters.arrived(seq):
             self._state = None  # its files changed on disk: read again
+        merged = self.adapters.merged_mode
+        if seq.adapter_id is not None and not merged and self.adapters.need(seq).resident is None:
+            seq.adapter_needed_at = time.monotonic()  # its wait for the adapter begins now
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -104,6 +107,8 @@ class Scheduler:
                         running[e.adapter_id],
                         e.last_used,
                         adapters.evictable(e, now),
+                        e.num_pages,
+                        e.loaded_at,
                     )
                     for i, e in enumerate(adapters.seats)
                 ),
@@ -131,6 +136,10 @@ class Scheduler:
                 cold_loads_in_window=usage.disk_reads.total(now),
                 evicting_loads=usage.evicting_loads.times(now),
                 num_preemptions=self.num_preemptions,
+                free_pages=blocks.num_free_blocks,
+                adapter_pages=MappingProxyType(adapters.pages_by_adapter()),
+                pool_pages=blocks.num_blocks,
+                block_size=blocks.block_size,
             )
         return self._state
 
@@ -254,7 +263,7 @@ class Scheduler:
         """Ask the policies, then the pool, for ``seq``'s adapter (adapter-load decisions)."""
         tier = need.tier
         self._note_lookup(seq, tier)
-        seat = None
+        seat, evict = None, tuple[int, ...]()
         if tier in (Lookup.WARM, Lookup.COLD) and self.hooks.has("lora_guard_adapter_load"):
             decision = self.hooks.adapter_load(
                 request=seq.view(), tier=tier.value, state=self.state(), parked=parked,
@@ -267,10 +276,11 @@ class Scheduler:
                     return  # a running request, or an offline batch, waits instead
                 raise _Rejected(decision.reason, decision.retry_after)
             if isinstance(decision, Load):
-                seat = decision.slot
+                seat, evict = decision.slot, decision.evict
         if tier is Lookup.LOADING:
             return
-        if self.adapters.acquire(need, seat, self.running, parked=parked) is not None:
+        acquired = self.adapters.acquire(need, seat, self.running, parked=parked, evict=evict)
+        if acquired is not None:
             self._state = None  # the pool changed
 
     def _note_lookup(self, seq: Sequence, tier: Lookup) -> None:

@@ -94,4 +94,5 @@ class Sequence:
             arrival_time=self.arrival_time,
             waited_steps=self.waited_steps,
             cache_salt=self.cache_salt,
+            max_new_tokens=self.params.max_new_tokens,
         )

@@ -21,9 +21,13 @@ class BusyRetry(Exception):
 @dataclass(frozen=True, slots=True)
 class Load:
     """Go ahead: read a cold adapter from disk, or put a warm one into ``slot`` (evicting what is
-    there, if no request holds it). ``slot=None`` lets the engine choose (least recently used)."""
+    there, if no request holds it). ``slot=None`` lets the engine choose (least recently used).
+    ``evict``: seats whose adapters leave first, in order, when the pool's free pages and the
+    seat's own are not enough (the engine then takes adapters no request needs, least recently
+    used first); a seat the engine would not let go now is skipped."""
 
     slot: int | None = None
+    evict: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

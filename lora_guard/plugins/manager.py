@@ -27,13 +27,19 @@ log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "lora_guard"
 DISABLE_AUTOLOAD_ENV = "LORA_GUARD_DISABLE_PLUGIN_AUTOLOAD"
 GUARD_POLICIES = ("hot-set", "cold-budget", "kv-namespace")
-BASELINE_POLICIES = ("lru", "on-demand", "static")
+RIVAL_POLICIES = ("lru", "fifo", "drain", "time-slice", "s3-fifo", "w-tinylfu")
+BASELINE_POLICIES = (*RIVAL_POLICIES, "on-demand", "static")
 DEFAULT_POLICIES = GUARD_POLICIES
 POLICY_PLUGINS: dict[str, str] = {
     "hot-set": "lora_guard.policies.hot_set:HotSetPolicy",
     "cold-budget": "lora_guard.policies.cold_budget:ColdLoadBudget",
     "kv-namespace": "lora_guard.policies.kv_namespace:KVNamespacePolicy",
     "lru": "lora_guard.policies.baselines:LRUPolicy",
+    "fifo": "lora_guard.policies.baselines:FIFOPolicy",
+    "drain": "lora_guard.policies.drain:DrainPolicy",
+    "time-slice": "lora_guard.policies.time_slice:TimeSlicePolicy",
+    "s3-fifo": "lora_guard.policies.s3_fifo:S3FIFOPolicy",
+    "w-tinylfu": "lora_guard.policies.w_tinylfu:WTinyLFUPolicy",
     "on-demand": "lora_guard.policies.baselines:OnDemandPolicy",
     "static": "lora_guard.policies.baselines:StaticPolicy",
 }

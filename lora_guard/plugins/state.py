@@ -22,20 +22,24 @@ class RequestView:
     arrival_time: float
     waited_steps: int
     cache_salt: str | None = None
+    max_new_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class SlotView:
     """One seat of the adapter pool (``max_loras`` seats): the adapter in it (None when free),
-    how many running requests use that adapter, when a step last computed with it, and whether
+    how many running requests use that adapter, when a step last computed with it, whether
     the engine would let it leave now (not pinned, its residency quantum over or no request
-    needing it). Residency is per step: a running request whose adapter leaves waits, parked."""
+    needing it), the pool pages it holds and when it was loaded. Residency is per step: a
+    running request whose adapter leaves waits, parked."""
 
     slot: int
     adapter_id: str | None
     refs: int
     last_used: float
     evictable: bool = True
+    pages: int = 0
+    loaded_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +72,10 @@ class EngineState:
     :param num_parked: running requests waiting for their adapter to come back into the pool.
     :param adapters_changed_on_disk: adapters read again because their files changed on disk
         since they were read, since the engine started.
+    :param free_pages: pages of the cache pool free now (cached prefixes included).
+    :param adapter_pages: pages each adapter in host memory or in the pool takes in the pool.
+    :param pool_pages: pages of the whole cache pool (KV blocks and adapter pages).
+    :param block_size: tokens of KV a page holds.
     """
 
     step: int
@@ -91,6 +99,10 @@ class EngineState:
     pool_bytes: Mapping[str, int] = field(default_factory=dict)
     num_parked: int = 0
     adapters_changed_on_disk: int = 0
+    free_pages: int = 0
+    adapter_pages: Mapping[str, int] = field(default_factory=dict)
+    pool_pages: int = 0
+    block_size: int = 16
 
     def slot_of(self, adapter_id: str) -> int | None:
         for view in self.slots:

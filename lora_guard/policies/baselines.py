@@ -1,7 +1,10 @@
 """Baselines to compare the guard policies with.
 
-- ``lru``: what vLLM and SGLang do by default: any request may load its adapter, into the least
-  recently used idle slot; no budget, no batch shaping. The engine's own default behaviour.
+- ``lru``: what vLLM and SGLang do by default: any request may load its adapter; when room is
+  short, the least recently used adapters that no running request uses leave; no budget, no
+  batch shaping.
+- ``fifo``: SGLang's other ``--lora-eviction-policy``: the same, the adapter loaded first leaving
+  first.
 - ``on-demand``: the naive scheme: one adapter at a time is merged into the base weights (the
   engine's merged mode), so a step serves one adapter or the base model, and every switch waits
   for the running requests to drain, then unmerges and merges.
@@ -14,14 +17,42 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lora_guard.plugins import hookimpl
+from lora_guard.plugins.decisions import AdapterDecision
 from lora_guard.plugins.options import OptionRegistry
-from lora_guard.plugins.state import EngineState, RequestView
+from lora_guard.plugins.state import EngineState, RequestView, SlotView
+from lora_guard.policies.victims import idle_residents, plan_load
 
 DRAIN_AFTER_STEPS = 16
 
 
-class LRUPolicy:
-    """No hooks: the engine's default decisions are LRU."""
+class EvictionOrder:
+    """A warm adapter takes free room, else the room of idle residents (no running request uses
+    them) in the order :meth:`order` gives. Subclasses give the order."""
+
+    def order(self, idle: list[SlotView], state: EngineState) -> list[SlotView]:
+        raise NotImplementedError
+
+    @hookimpl
+    def lora_guard_adapter_load(
+        self, request: RequestView, tier: str, state: EngineState
+    ) -> AdapterDecision | None:
+        if tier == "cold" or request.adapter_id is None:
+            return None  # reading into host memory needs no room in the pool
+        return plan_load(state, request, self.order(idle_residents(state), state))
+
+
+class LRUPolicy(EvictionOrder):
+    """vLLM's ``LRUCache`` of LoRAs and SGLang's default: least recently used first."""
+
+    def order(self, idle: list[SlotView], state: EngineState) -> list[SlotView]:
+        return sorted(idle, key=lambda v: v.last_used)
+
+
+class FIFOPolicy(EvictionOrder):
+    """SGLang's ``--lora-eviction-policy fifo``: loaded first, first to leave."""
+
+    def order(self, idle: list[SlotView], state: EngineState) -> list[SlotView]:
+        return sorted(idle, key=lambda v: v.loaded_at)
 
 
 class StaticPolicy:

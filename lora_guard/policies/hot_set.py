@@ -1,37 +1,40 @@
-"""Hot-set admission: keep the adapters with the most traffic resident, and form batches that
-hit them.
+"""Hot-set admission: admit only the adapters the pool can hold beside the KV of the batch, keep
+the ones with the most traffic per page resident, and bound how long any request waits.
 
-Heat is the number of requests per (tenant, adapter) over a sliding window. The hot set is the
-pinned adapters (``pin``) plus the ``hot_set_size`` hottest (default: all seats but one, which
-serves the cold tail; with no seat cap, every adapter with heat, and the pool's pages decide). A
-warm adapter takes a free seat in the pool, else the seat of the least recently used adapter
-outside the hot set that the engine lets leave now (its residency quantum over, or no request
-needing it); a hot adapter is displaced only by another hot one, a pinned one never. A tenant
-already holding its fair share of the seats may not evict another tenant's hot adapters (its own,
-and other tenants' cold ones, it may). A request that has waited
-``max_wait_steps``, or a running one whose adapter left the pool (parked), may displace any
-adapter that is not pinned, so none waits for a seat forever.
+Adapters cannot be served from outside the pool: each running request needs its adapter resident
+at every step it computes. Admitting requests for more adapters than fit beside the batch's KV
+makes the engine rotate them step by step (parking requests, loading again what it just
+evicted): the thrash that blows up latency when adapters outnumber memory. So batch form
+offers a waiting request only when its adapter is resident or running already, or when its
+pages fit in the pool beside the adapters the running batch uses and the KV that batch will
+hold at its longest (the working set). Requests whose adapter is resident go first, the tenant
+with the fewest running requests first (one tenant's flood does not crowd out the others); then
+the rest by heat, then age. A request that has waited ``max_adapter_wait_s`` goes ahead of all,
+and no request for an adapter outside the working set is admitted before it.
 
-Batch form offers requests whose adapter is resident first, then the others hottest first, aged
-requests ahead of all. It admits a request whose adapter has no seat yet: the engine rotates
-seats at step boundaries, so the request waits for a residency quantum, not for another
-request's whole life. ``max_loras_per_batch`` caps the distinct adapters of the running requests
-when set.
+Heat is the number of requests per adapter over a sliding window (the engine's, ``heat_window_s``).
+To make room, adapters no running request uses leave first, the least heat per page first (a
+one-off request's adapter before a hot one, a large cold adapter before a small cold one, as
+GreedyDual-Size-Frequency); pinned adapters never. A tenant already holding its fair share of
+the seats may not evict another tenant's hot adapters (the hot set: pinned adapters and the
+``hot_set_size`` hottest). A parked running request, or one waited on ``max_adapter_wait_s``,
+may also displace adapters running requests use, so none waits forever.
 
-The engine keeps the heat and the pins (``EngineState.heat``, ``tenant_heat``, ``pinned``); this
-policy reads them and decides.
+``max_loras_per_batch`` caps the distinct adapters of the running requests when set.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from lora_guard.plugins import Defer, Load, hookimpl
+from lora_guard.plugins import hookimpl
 from lora_guard.plugins.decisions import AdapterDecision
 from lora_guard.plugins.options import OptionRegistry, id_list
-from lora_guard.plugins.state import EngineState, RequestView
+from lora_guard.plugins.state import EngineState, RequestView, SlotView
+from lora_guard.policies.victims import plan_load
 
 
 class HotSetPolicy:
@@ -39,13 +42,14 @@ class HotSetPolicy:
         self.hot_set_size: int | None = 4  # None: every adapter with heat
         self.seats = 8  # 0: no seat cap
         self.max_loras_per_batch = 0
-        self.max_wait_steps = 16
+        self.max_wait_s = 8.0
 
     @hookimpl
     def lora_guard_add_options(self, options: OptionRegistry) -> None:
         options.add(
             "hot_set_size", int, None,
-            "adapters kept resident by heat, besides pinned ones (default: slots - 1)",
+            "adapters another tenant at its fair share may not evict, besides pinned ones "
+            "(default: slots - 1; every adapter with heat when there is no seat cap)",
         )  # fmt: skip
         # pin and heat_window_s are read by the engine, which keeps the pins and the heat
         options.add("pin", id_list, (), "adapter ids kept resident once loaded, never evicted")
@@ -56,8 +60,9 @@ class HotSetPolicy:
             "most distinct adapters among running requests (0: no cap; the seats bound each step)",
         )
         options.add(
-            "max_wait_steps", int, 16, "a request waiting this many steps goes ahead of all others"
-        )
+            "max_adapter_wait_s", float, 8.0,
+            "a request waiting this long goes ahead of all others and may displace any adapter",
+        )  # fmt: skip
         options.add("heat_window_s", float, 60.0, "sliding window of the heat count, seconds")
 
     @hookimpl
@@ -69,44 +74,51 @@ class HotSetPolicy:
         else:
             self.hot_set_size = max(self.seats - 1, 0) if self.seats else None
         self.max_loras_per_batch = int(config.get("max_loras_per_batch", 0))
-        self.max_wait_steps = int(config.get("max_wait_steps", 16))
-        if (self.hot_set_size or 0) < 0 or self.max_loras_per_batch < 0 or self.max_wait_steps < 1:
+        self.max_wait_s = float(config.get("max_adapter_wait_s", 8.0))
+        if (self.hot_set_size or 0) < 0 or self.max_loras_per_batch < 0 or self.max_wait_s <= 0:
             raise ValueError("hot_set_size and max_loras_per_batch must be >= 0, "
-                             "max_wait_steps >= 1")  # fmt: skip
+                             "max_adapter_wait_s > 0")  # fmt: skip
 
     def hot_set(self, state: EngineState) -> set[str]:
         hottest = sorted(state.heat, key=lambda a: -state.heat[a])[: self.hot_set_size]
         return set(state.pinned) | set(hottest)
+
+    def aged(self, request: RequestView, state: EngineState) -> bool:
+        return state.now - request.arrival_time >= self.max_wait_s
+
+    def victims(self, state: EngineState, request: RequestView, forced: bool) -> list[SlotView]:
+        """Adapters that may leave for ``request``'s, in the order they should: those no running
+        request uses, least heat per page first; ``forced``, then those too."""
+        hot = self.hot_set(state)
+        movable = [v for v in state.slots
+                   if v.adapter_id is not None and v.evictable and v.adapter_id not in state.pinned
+                   and v.adapter_id != request.adapter_id]  # fmt: skip
+        if not forced:
+            tenants = {t for t, _ in state.tenant_heat}
+            share = math.ceil(max(len(state.slots), 1) / max(len(tenants), 1))
+            owners = {v.slot: _owner(state, v.adapter_id) for v in movable}
+            held = sum(1 for v in state.slots if v.adapter_id
+                       and _owner(state, v.adapter_id) == request.tenant_id)  # fmt: skip
+            if self.seats and held >= share:
+                movable = [v for v in movable if v.adapter_id not in hot
+                           or owners[v.slot] in (request.tenant_id, None)]  # fmt: skip
+            movable = [v for v in movable if not v.refs]
+
+        def value(v: SlotView) -> tuple[bool, float, float]:
+            density = state.heat.get(v.adapter_id or "", 0) / max(v.pages, 1)
+            return v.refs > 0, density, v.last_used
+
+        return sorted(movable, key=value)
 
     # adapter load
     @hookimpl
     def lora_guard_adapter_load(
         self, request: RequestView, tier: str, state: EngineState, parked: bool
     ) -> AdapterDecision | None:
-        if tier == "cold":
+        if tier == "cold" or request.adapter_id is None:
             return None  # reading into host memory needs no seat
-        if state.free_slots:
-            return Load(state.free_slots[0])
-        hot = self.hot_set(state)
-        aged = parked or request.waited_steps >= self.max_wait_steps
-        idle = [v for v in state.slots if v.evictable and v.adapter_id not in state.pinned]
-        candidates = [v for v in idle if v.adapter_id not in hot]
-        if not candidates and (request.adapter_id in hot or aged):
-            candidates = idle  # a hot adapter, or one waited on too long, may displace a hot one
-        if not aged:
-            tenants = {t for t, _ in state.tenant_heat}
-            fair_share = math.ceil(len(state.slots) / max(len(tenants), 1))
-            owners = {v.slot: _owner(state, v.adapter_id) for v in state.slots if v.adapter_id}
-            if sum(1 for o in owners.values() if o == request.tenant_id) >= fair_share:
-                candidates = [
-                    v
-                    for v in candidates
-                    if owners.get(v.slot) in (request.tenant_id, None) or v.adapter_id not in hot
-                ]
-        if not candidates:
-            return Defer("no slot may be evicted for this adapter now")
-        victim = min(candidates, key=lambda v: v.last_used)
-        return Load(victim.slot)
+        forced = parked or self.aged(request, state)
+        return plan_load(state, request, self.victims(state, request, forced))
 
     # batch form
     @hookimpl
@@ -114,28 +126,54 @@ class HotSetPolicy:
         self, waiting: Sequence[RequestView], running: Sequence[RequestView], state: EngineState
     ) -> list[str]:
         resident = {v.adapter_id for v in state.slots if v.adapter_id is not None}
-        aged = [r for r in waiting if r.waited_steps >= self.max_wait_steps]
-        ready = [
-            r
-            for r in waiting
-            if r not in aged and (r.adapter_id is None or r.adapter_id in resident)
-        ]
-        rest = [r for r in waiting if r not in aged and r not in ready]
-        hot = self.hot_set(state)
-        rest.sort(key=lambda r: (r.adapter_id not in hot, -state.heat.get(r.adapter_id or "", 0)))
+        pages = state.adapter_pages
+        working = {r.adapter_id for r in running if r.adapter_id is not None}
+        kv = sum(self.kv_pages(r, state) for r in running)
+        room = state.pool_pages - kv - sum(pages.get(a, 0) for a in working)
+        served = Counter(r.tenant_id for r in running)
+
+        def fair(r: RequestView) -> tuple[int, float]:
+            return served[r.tenant_id], r.arrival_time
+
+        aged = sorted((r for r in waiting if self.aged(r, state)), key=lambda r: r.arrival_time)
+        fresh = [r for r in waiting if not self.aged(r, state)]
+        ready = [r for r in fresh if r.adapter_id is None or r.adapter_id in resident | working]
+        rest = sorted((r for r in fresh if r not in ready),
+                      key=lambda r: (-state.heat.get(r.adapter_id or "", 0), r.arrival_time),
+                      )  # fmt: skip
         cap = self.max_loras_per_batch or math.inf  # 0: no cap
-        adapters = {r.adapter_id for r in running if r.adapter_id is not None}
-        chosen = []
-        for r in [*aged, *ready, *rest]:
-            if r.adapter_id is not None and r.adapter_id not in adapters:
-                if len(adapters) >= cap and r not in aged:
-                    continue
-                adapters.add(r.adapter_id)
-            chosen.append(r.request_id)
+        chosen: list[str] = []
+        blocked = False  # an aged request's adapter does not fit yet: no other adapter joins
+        for group in (aged, sorted(ready, key=fair), rest):
+            for r in group:
+                need = self.kv_pages(r, state)
+                if need > room and (chosen or running):
+                    continue  # its KV at its longest would squeeze the working set's adapters
+                adapter = r.adapter_id
+                joins = adapter is not None and adapter not in working
+                if joins:
+                    assert adapter is not None
+                    extra = pages.get(adapter, 0)
+                    seats = self.seats or math.inf  # 0: no seat cap, the pages decide
+                    fits = extra + need <= room and len(working) < min(cap, seats)
+                    if not fits or (blocked and r not in aged):
+                        blocked = blocked or r in aged
+                        continue
+                    working.add(adapter)
+                    room -= extra
+                room -= need
+                chosen.append(r.request_id)
+                served[r.tenant_id] += 1
         return chosen
 
+    @staticmethod
+    def kv_pages(request: RequestView, state: EngineState) -> int:
+        """The KV pages ``request`` holds at its longest."""
+        tokens = request.num_prompt_tokens + request.max_new_tokens
+        return -(-tokens // max(state.block_size, 1))
 
-def _owner(state: EngineState, adapter: str) -> str | None:
+
+def _owner(state: EngineState, adapter: str | None) -> str | None:
     """The tenant that sends an adapter most of its traffic."""
     best = max(((n, t) for (t, a), n in state.tenant_heat.items() if a == adapter), default=None)
     return best[1] if best else None

@@ -3,6 +3,7 @@ adapters, hits more often than them."""
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 
 from hypothesis import given, settings
@@ -53,6 +54,34 @@ def test_no_policy_beats_belady_from_the_same_start(
     assert best >= lru_hits(trace, slots, start)
     assert best >= mru_hits(trace, slots, start)
     assert best / len(trace) <= compulsory_hit_bound(trace, start[:slots]) + 1e-12
+
+
+@settings(max_examples=300, deadline=None)
+@given(trace=traces, slots=st.integers(1, 6), start=starts, seed=st.integers(0, 2**32))
+def test_deferring_and_bypassing_policies_never_pass_the_compulsory_bound(
+    trace: list[int], slots: int, start: list[int], seed: int
+) -> None:
+    """A policy may serve any of the next four requests first (defer) and serve a miss without
+    keeping its adapter (bypass); the adapters it keeps and evicts are random. Belady on the
+    arrival order does not bound it; the compulsory bound does."""
+    rng = random.Random(seed)
+    pending, resident, hits = list(trace), list(start[:slots]), 0
+    while pending:
+        adapter = pending.pop(rng.randrange(min(len(pending), 4)))
+        if adapter in resident:
+            hits += 1
+        elif rng.random() >= 0.3:  # else bypassed
+            if len(resident) >= slots:
+                resident.pop(rng.randrange(len(resident)))
+            resident.append(adapter)
+    assert hits / len(trace) <= compulsory_hit_bound(trace, start[:slots]) + 1e-12
+
+
+def test_a_deferring_policy_beats_belady_on_the_arrival_order() -> None:
+    # One seat holding B; A arrives, then B. Belady in arrival order evicts B for A: no hit.
+    # Serving B first, then A, scores one: Belady on the arrival order is no bound.
+    assert belady_hits(["A", "B"], 1, start=["B"]) == 0
+    assert compulsory_hit_bound(["A", "B"], start=["B"]) == 0.5
 
 
 def test_a_warm_start_raises_the_bound_above_the_cold_one() -> None:

@@ -30,11 +30,14 @@ def test_the_same_command_gives_the_same_figures_on_a_busy_machine(
     quiet = json.loads((tmp_path / "quiet.json").read_text())
     busy = json.loads((tmp_path / "busy.json").read_text())
     assert quiet == busy
-    rows = {row["scheme"]: row for row in quiet["rows"]}
-    assert set(rows) == {"lru", "lora-guard"}
-    for row in rows.values():
-        assert row["completed"] == "16/16" and row["loads"] > 0  # 2 seats, 8 adapters: loads
+    schemes = quiet["schemes"]
+    assert set(schemes) == {"lru", "lora-guard"}
+    for row in schemes.values():
+        assert row["completed"] == row["requests"] == 16
+        assert row["loads"] > 0  # 2 seats, 8 adapters: loads
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p95_ms"]
+        assert row["hit_rate"] <= row["hit_rate_bound"]
+    assert set(quiet["tenants"]) and all(set(t) == set(schemes) for t in quiet["tenants"].values())
     out = capsys.readouterr().out
     assert "| lru |" in out and "| lora-guard |" in out and "max_loras 2" in out
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,10 @@ import pytest
 from lora_guard.bench.stats import percentile
 from lora_guard.bench.workload import (
     TraceError,
+    TraceRequest,
     WorkloadSpec,
     make_trace,
+    pressure_spec,
     read_trace,
     write_trace,
 )
@@ -148,3 +151,34 @@ def test_the_tenant_storm_floods_the_middle_third_with_one_tenant() -> None:
 def test_an_unknown_scenario_is_refused() -> None:
     with pytest.raises(TraceError, match="unknown scenario 'storm'"):
         make_trace(WorkloadSpec(scenario="storm"), IDS)
+
+
+def test_pressure_brings_200_adapters_8_tenants_and_a_hot_set_that_drifts() -> None:
+    spec = pressure_spec(WorkloadSpec(requests=3000, rate=2.0))
+    ids = [f"demo-{i:03d}" for i in range(spec.adapters)]
+    trace = make_trace(spec, ids)
+    assert spec.adapters >= 200 and len({r.tenant for r in trace}) >= 8
+    assert trace == make_trace(spec, ids)
+
+    def top(start: float) -> set[str]:
+        counts = Counter(r.adapter_id for r in trace if start <= r.time < start + 120)
+        return {a for a, _ in counts.most_common(8)}
+
+    # Zipf within a few minutes: the hottest adapter takes a large share...
+    first = Counter(r.adapter_id for r in trace if r.time < 120)
+    assert first.most_common(1)[0][1] / sum(first.values()) > 0.08
+    # ... but the hot set of the first minutes is not the hot set of the last ones.
+    assert len(top(0.0) & top(trace[-1].time - 120)) <= 5
+
+
+def test_the_storm_trace_is_the_zipf_trace_plus_the_flood() -> None:
+    spec = WorkloadSpec(requests=120, scenario="tenant-storm")
+    storm = make_trace(spec, ADAPTERS)
+    calm = make_trace(replace(spec, scenario="zipf"), ADAPTERS)
+
+    def key(r: TraceRequest) -> tuple[object, ...]:
+        return r.time, r.tenant, r.adapter_id, r.prompt
+
+    calm_keys = {key(r) for r in calm}
+    assert calm_keys <= {key(r) for r in storm}
+    assert len(storm) > len(calm) and {r.tenant for r in storm if key(r) not in calm_keys} == {"t0"}

@@ -18,13 +18,12 @@ def test_over_the_budget_requests_queue_in_order_then_get_a_true_retry_after(
     # Two seats, one thrashing load a minute, a queue of 0.3 s: of six long requests on six
     # adapters, two load into free seats, one evicts an adapter still in use (the budget), and
     # the three others wait in the queue, then are told to come back when the window has room.
-    # Batch form admits two adapters' requests at a time, so the evicting load is for a request
-    # that comes after the two running ones, not for one of them before it starts.
+    # The budget alone, first come first served (hot-set would admit no more adapters than the
+    # seats hold, and no load would evict an adapter in use).
     queue_s = 0.3
     llm = LLM(tiny_model, adapters=adapters, max_loras=2, cache_memory="4MiB",
-              residency_quantum_ms=0,
-              settings={"cold_loads_per_minute": 1, "cold_queue_timeout": queue_s,
-                        "max_loras_per_batch": 2})  # fmt: skip
+              residency_quantum_ms=0, policies="cold-budget,kv-namespace",
+              settings={"cold_loads_per_minute": 1, "cold_queue_timeout": queue_s})  # fmt: skip
     engine = llm.engine
     engine.scheduler.reject_when_busy = True  # as a server's engine: busy is a 429
     params = SamplingParams(max_new_tokens=400, ignore_eos=True)

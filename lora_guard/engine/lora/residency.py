@@ -276,6 +276,15 @@ class ResidencyManager:
             return None
         return Lookup.COLD
 
+    def pages_by_adapter(self) -> dict[str, int]:
+        """Pages each adapter in host memory or in the pool takes in the pool."""
+        if self.pool is None:
+            return {}
+        pages = {a: self._layout(adapter).num_pages for a, adapter in self.host.entries.items()}
+        for entry in self.residents():
+            pages.setdefault(entry.adapter_id, entry.num_pages)
+        return pages
+
     def _pages_needed(self, adapter_id: str) -> int | None:
         """Pages ``adapter_id`` takes in the pool, when its weights are in host memory."""
         adapter = self.host.entries.get(adapter_id)
@@ -337,10 +346,18 @@ class ResidencyManager:
         return victim.seat
 
     def acquire(
-        self, need: Need, seat: int | None, holders: Iterable[Sequence], *, parked: bool = False
+        self,
+        need: Need,
+        seat: int | None,
+        holders: Iterable[Sequence],
+        *,
+        parked: bool = False,
+        evict: Iterable[int] = (),
     ) -> Resident | None:
         """Make the current weights of the adapter ``need`` names resident, in ``seat`` (or the
-        seat :meth:`choose_seat` picks), evicting what is there. None means wait: its read from
+        seat :meth:`choose_seat` picks), evicting what is there; when pages are short, then the
+        adapters in the seats ``evict`` names (those that may leave now), then adapters no
+        request needs, least recently used first. None means wait: its read from
         disk is under way (started now if it was cold), or no seat or pages can be freed now.
         ``holders`` are the sequences that hold KV blocks (they may be moved). A load that
         evicts an adapter requests still need counts as thrash (``usage.evicting_loads``) unless
@@ -373,6 +390,7 @@ class ResidencyManager:
         victims = [occupant] if occupant is not None else []
         freed = self.blocks.num_free_blocks + sum(v.num_pages for v in victims)
         if freed < layout.num_pages:
+            named = [self.seats[s] for s in evict if 0 <= s < len(self.seats)]
             idle = sorted(
                 (
                     e
@@ -381,7 +399,10 @@ class ResidencyManager:
                 ),
                 key=lambda e: e.last_used,
             )
-            for extra in idle:
+            chosen = [e for e in named if e is not None and self.evictable(e, now)]
+            for extra in dict.fromkeys([*chosen, *idle]):
+                if extra in victims:
+                    continue
                 if freed >= layout.num_pages:
                     break
                 victims.append(extra)
