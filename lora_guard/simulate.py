@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from lora_guard.bench.stats import percentile
 from lora_guard.bench.workload import WorkloadSpec, make_trace, mean_rate
+from lora_guard.policies.victims import engine_order
 from lora_guard.serve_ray.ranking import AffinityRanker, ReplicaView
 from lora_guard.simulate_costs import Costs, read_costs
 
@@ -207,13 +208,14 @@ class _Fleet:
     def _evict(self, replica: Replica, demand: Collection[str | None], now: float) -> bool:
         """Free a seat as the engine does: the least recently used adapter no request needs,
         else the least recently used whose quantum is over; False when none may leave."""
-        idle = next((a for a in replica.resident if a not in demand), None)
-        if idle is None:
-            idle = next((a for a, seat in replica.resident.items()
-                         if now - seat.loaded_at >= replica.quantum_s), None)  # fmt: skip
-        if idle is None:
+        order = engine_order(
+            (a, a in demand, seat.last_used)
+            for a, seat in replica.resident.items()
+            if a not in demand or now - seat.loaded_at >= replica.quantum_s
+        )
+        if not order:
             return False
-        del replica.resident[idle]
+        del replica.resident[order[0]]
         return True
 
     def _read(self, replica: Replica, adapter: str, now: float) -> None:

@@ -36,6 +36,8 @@ from lora_guard.plugins.options import OptionRegistry, id_list
 from lora_guard.plugins.state import EngineState, RequestView, SlotView
 from lora_guard.policies.victims import plan_load
 
+FLOOD_SHARE = 2.0  # a tenant running more than this times its share of the batch goes last
+
 
 class HotSetPolicy:
     def __init__(self) -> None:
@@ -125,27 +127,27 @@ class HotSetPolicy:
     def lora_guard_batch_form(
         self, waiting: Sequence[RequestView], running: Sequence[RequestView], state: EngineState
     ) -> list[str]:
-        resident = {v.adapter_id for v in state.slots if v.adapter_id is not None}
         pages = state.adapter_pages
         working = {r.adapter_id for r in running if r.adapter_id is not None}
         kv = sum(self.kv_pages(r, state) for r in running)
         room = state.pool_pages - kv - sum(pages.get(a, 0) for a in working)
         served = Counter(r.tenant_id for r in running)
+        tenants = {r.tenant_id for r in (*running, *waiting)}
+        share = FLOOD_SHARE * max(len(running), 1) / max(len(tenants), 1)
 
-        def fair(r: RequestView) -> tuple[int, float]:
-            return served[r.tenant_id], r.arrival_time
+        def flooding(tenant: str) -> bool:
+            """Running more than twice its share while another tenant has requests."""
+            return served[tenant] > share and len(tenants) > 1
 
         aged = sorted((r for r in waiting if self.aged(r, state)), key=lambda r: r.arrival_time)
-        fresh = [r for r in waiting if not self.aged(r, state)]
-        ready = [r for r in fresh if r.adapter_id is None or r.adapter_id in resident | working]
-        rest = sorted((r for r in fresh if r not in ready),
-                      key=lambda r: (-state.heat.get(r.adapter_id or "", 0), r.arrival_time),
-                      )  # fmt: skip
+        fresh = [r for r in sorted(waiting, key=lambda r: r.arrival_time) if r not in aged]
         cap = self.max_loras_per_batch or math.inf  # 0: no cap
         chosen: list[str] = []
         blocked = False  # an aged request's adapter does not fit yet: no other adapter joins
-        for group in (aged, sorted(ready, key=fair), rest):
+        for group in (aged, fresh):
             for r in group:
+                if flooding(r.tenant_id):
+                    continue  # its turn comes when its running requests drop to its share
                 need = self.kv_pages(r, state)
                 if need > room and (chosen or running):
                     continue  # its KV at its longest would squeeze the working set's adapters

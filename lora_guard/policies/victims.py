@@ -1,17 +1,27 @@
-"""Where a warm adapter goes, given the order in which a policy would let resident adapters go.
+"""Which resident adapters leave, and how many.
 
-Every seat-choosing policy (the rivals' eviction orders and lora-guard's hot set) and the
-simulator call :func:`plan_load`: it takes a free seat, or the first victim's seat, and as many
-victims, in the policy's order, as the adapter's pages need beyond the free pages. A policy only
-decides the order; this module decides how many go.
+Every seat-choosing policy (the rivals' eviction orders and lora-guard's hot set) calls
+:func:`plan_load`: it takes a free seat, or the first victim's seat, and as many victims, in the
+policy's order, as the adapter's pages need beyond the free pages. A policy only decides the
+order; this module decides how many go. When no policy decides, the residency manager and the
+simulator both take :func:`engine_order`, the engine's own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TypeVar
 
 from lora_guard.plugins.decisions import Defer, Load
 from lora_guard.plugins.state import EngineState, RequestView, SlotView
+
+Resident = TypeVar("Resident")
+
+
+def engine_order(residents: Iterable[tuple[Resident, bool, float]]) -> list[Resident]:
+    """The engine's own order, of ``(resident, needed, last used)``: adapters no request needs
+    first, then the others, least recently used first within each."""
+    return [r for r, _, _ in sorted(residents, key=lambda item: (item[1], item[2]))]
 
 
 def idle_residents(state: EngineState) -> list[SlotView]:

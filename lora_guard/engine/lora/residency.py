@@ -37,6 +37,7 @@ from lora_guard.engine.lora.registry import AdapterEntry, AdapterRegistry
 from lora_guard.engine.sequence import Sequence, Status
 from lora_guard.engine.usage import AdapterUsage
 from lora_guard.plugins.manager import Hooks
+from lora_guard.policies.victims import engine_order
 
 log = logging.getLogger(__name__)
 
@@ -339,11 +340,9 @@ class ResidencyManager:
         for seat, entry in enumerate(self.seats):
             if entry is None:
                 return seat
-        candidates = [e for e in self.residents() if self.evictable(e, now)]
-        if not candidates:
-            return None
-        victim = min(candidates, key=lambda e: (self.demand[e.adapter_id] > 0, e.last_used))
-        return victim.seat
+        order = engine_order((e, self.demand[e.adapter_id] > 0, e.last_used)
+                             for e in self.residents() if self.evictable(e, now))  # fmt: skip
+        return order[0].seat if order else None
 
     def acquire(
         self,
@@ -391,13 +390,10 @@ class ResidencyManager:
         freed = self.blocks.num_free_blocks + sum(v.num_pages for v in victims)
         if freed < layout.num_pages:
             named = [self.seats[s] for s in evict if 0 <= s < len(self.seats)]
-            idle = sorted(
-                (
-                    e
-                    for e in self.residents()
-                    if e not in victims and self.evictable(e, now) and not self.demand[e.adapter_id]
-                ),
-                key=lambda e: e.last_used,
+            idle = engine_order(
+                (e, False, e.last_used)
+                for e in self.residents()
+                if e not in victims and self.evictable(e, now) and not self.demand[e.adapter_id]
             )
             chosen = [e for e in named if e is not None and self.evictable(e, now)]
             for extra in dict.fromkeys([*chosen, *idle]):
@@ -447,7 +443,7 @@ class ResidencyManager:
         ]
         if not candidates:
             return False
-        self.evict(min(candidates, key=lambda e: e.last_used))
+        self.evict(engine_order((e, False, e.last_used) for e in candidates)[0])
         return True
 
     def evict(self, entry: Resident) -> None:
