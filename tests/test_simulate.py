@@ -14,6 +14,7 @@ from lora_guard.bench.stats import percentile
 from lora_guard.bench.workload import TraceRequest, WorkloadSpec, make_trace
 from lora_guard.simulate import SimRequest, sim_requests, simulate
 from lora_guard.simulate_costs import (
+    MIB,
     Costs,
     calibrate,
     fit_line,
@@ -71,6 +72,34 @@ def test_the_simulator_with_the_engines_step_costs_agrees_with_a_real_replay(
                 and abs(sim.latency_p95_ms - real_p95) <= TOLERANCE * real_p95):  # fmt: skip
             return
         misses.append(figures)
+    pytest.fail(f"not within {TOLERANCE:.0%} in {ATTEMPTS} runs: " + "; ".join(misses))
+
+
+def test_virtual_times_step_costs_agree_with_the_steps_of_a_fresh_replay(
+    tiny_model: Path, tiny_adapters: AdapterFactory, one_thread: None
+) -> None:
+    """Costs calibrated first (as ``lora-guard simulate --calibrate`` does), then a replay the fit
+    never saw: what virtual time charges for its steps (``Costs.step`` of each step's sequences,
+    adapter MiB read and prefill tokens) against what the engine recorded."""
+    adapters = tiny_adapters(n=12, prefix="vt", ranks=(4, 8, 16))
+    ids = sorted(adapters)
+    spec = WorkloadSpec(adapters=12, tenants=3, requests=60, rate=4.0, system_prompt_words=8,
+                        user_words_mean=8, output_mean=48, output_min=8, output_max=128,
+                        seed=5)  # fmt: skip
+    options = EngineOptions(str(tiny_model), str(next(iter(adapters.values())).parent),
+                            max_loras=SEATS, kv_cache_memory="64MiB")  # fmt: skip
+    costs, _ = _calibrated(options, ids, make_trace(spec, ids))
+    misses = []
+    for _ in range(ATTEMPTS):
+        run = replay_scheme("lru", make_trace(spec, ids), options)
+        steps = [s for s in run.steps if s.seqs and not s.loads]
+        modelled = sum(costs.step(s.seqs, s.adapters, s.prefill_tokens, s.adapter_bytes / MIB)
+                       for s in steps)  # fmt: skip
+        measured = sum(s.seconds * 1000 for s in steps)
+        print(f"{len(steps)} steps: modelled {modelled:.0f} ms, recorded {measured:.0f} ms")
+        if abs(modelled - measured) <= TOLERANCE * measured:
+            return
+        misses.append(f"modelled {modelled:.0f} ms, recorded {measured:.0f} ms")
     pytest.fail(f"not within {TOLERANCE:.0%} in {ATTEMPTS} runs: " + "; ".join(misses))
 
 

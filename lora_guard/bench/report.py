@@ -30,16 +30,19 @@ def decode_tokens_per_s(record: RequestRecord) -> float | None:
 
 
 def hit_rates(run: SchemeRun) -> dict[str, float | None]:
-    """The scheme's hit rate over its own binds and the bounds on that same sequence."""
+    """The scheme's hit rate over its own binds, the bound no policy can pass on that sequence
+    (every bind but each non-resident adapter's first: deferring and bypassing included), and
+    Belady's optimum on the same sequence in its order (a reference: a policy that defers a
+    miss can pass it)."""
     if not run.binds:
         hits = sum(hit for _, hit in run.lookups)
         return {"hit_rate": hits / len(run.lookups) if run.lookups else None,
-                "hit_rate_bound": None, "hit_rate_compulsory_bound": None}  # fmt: skip
+                "hit_rate_bound": None, "hit_rate_belady": None}  # fmt: skip
     needs = [b.adapter_id for b in run.binds]
     return {
         "hit_rate": sum(b.hit for b in run.binds) / len(needs),
-        "hit_rate_bound": belady_hit_rate(needs, run.slots, run.start_resident),
-        "hit_rate_compulsory_bound": compulsory_hit_bound(needs, run.start_resident),
+        "hit_rate_bound": compulsory_hit_bound(needs, run.start_resident),
+        "hit_rate_belady": belady_hit_rate(needs, run.slots, run.start_resident),
     }
 
 

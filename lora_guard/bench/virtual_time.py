@@ -308,7 +308,7 @@ def run_scheme(
 
 def window_bytes(trace: Sequence[TraceRequest], sizes: dict[str, int]) -> list[int]:
     """Bytes of the distinct adapters each full ``WINDOW_S`` window of ``trace`` asks for (one
-    window starting at each request)."""
+    window starting at each request); a trace shorter than a window is one window."""
     asked = [(r.time, r.adapter_id) for r in trace if r.adapter_id is not None]
     end = asked[-1][0] if asked else 0.0
     out = []
@@ -317,7 +317,7 @@ def window_bytes(trace: Sequence[TraceRequest], sizes: dict[str, int]) -> list[i
             break
         names = {a for t, a in asked[i:] if t < start + WINDOW_S}
         out.append(sum(sizes[a] for a in names))
-    return out
+    return out or [sum(sizes[a] for a in {a for _, a in asked})]
 
 
 @dataclass
@@ -334,7 +334,7 @@ class Pressure:
         return self.kv_bytes + int(self.window_bytes_p10 / PRESSURE_FACTOR)
 
     def summary(self) -> dict[str, Any]:
-        room = self.cache_memory - self.kv_bytes
+        room = max(self.cache_memory - self.kv_bytes, 1)
         return {"kv_mib": self.kv_bytes / MIB, "adapter_room_mib": room / MIB,
                 "cache_memory_mib": self.cache_memory / MIB,
                 "in_use_per_minute_over_room_p10": self.window_bytes_p10 / room,
@@ -365,7 +365,7 @@ def study(
     pressure = None
     if cache_memory is None and spec.scenario == "pressure":
         base, kv_bytes = run_scheme(bench, "base", trace, 64 * MIB)
-        windows = window_bytes(trace, bench.adapter_bytes) or [0]
+        windows = window_bytes(trace, bench.adapter_bytes)
         pressure = Pressure(kv_bytes, int(percentile(windows, 10) or 0),
                             int(percentile(windows, 50) or 0))  # fmt: skip
         cache_memory = pressure.cache_memory

@@ -1,24 +1,26 @@
 """Hot-set admission: admit only the adapters the pool can hold beside the KV of the batch, keep
-the ones with the most traffic per page resident, and bound how long any request waits.
+the ones with the most traffic per page resident, keep one tenant's flood from crowding out the
+others, and bound how long any request waits.
 
 Adapters cannot be served from outside the pool: each running request needs its adapter resident
 at every step it computes. Admitting requests for more adapters than fit beside the batch's KV
 makes the engine rotate them step by step (parking requests, loading again what it just
-evicted): the thrash that blows up latency when adapters outnumber memory. So batch form
-offers a waiting request only when its adapter is resident or running already, or when its
-pages fit in the pool beside the adapters the running batch uses and the KV that batch will
-hold at its longest (the working set). Requests whose adapter is resident go first, the tenant
-with the fewest running requests first (one tenant's flood does not crowd out the others); then
-the rest by heat, then age. A request that has waited ``max_adapter_wait_s`` goes ahead of all,
-and no request for an adapter outside the working set is admitted before it.
+evicted): the thrash of the regime where adapters outnumber memory. So batch form offers a
+waiting request, first come first served, only when its adapter is resident or running already,
+or when its pages fit in the pool beside the adapters the running batch uses and the KV that
+batch will hold at its longest (the working set); a request that does not fit waits, and the
+ones behind it may go. A tenant running more than twice its share of the batch (running
+requests over active tenants) waits while other tenants have requests. A request that has
+waited ``max_adapter_wait_s`` goes ahead of all, and no request for an adapter outside the
+working set is admitted before it.
 
 Heat is the number of requests per adapter over a sliding window (the engine's, ``heat_window_s``).
 To make room, adapters no running request uses leave first, the least heat per page first (a
 one-off request's adapter before a hot one, a large cold adapter before a small cold one, as
-GreedyDual-Size-Frequency); pinned adapters never. A tenant already holding its fair share of
-the seats may not evict another tenant's hot adapters (the hot set: pinned adapters and the
-``hot_set_size`` hottest). A parked running request, or one waited on ``max_adapter_wait_s``,
-may also displace adapters running requests use, so none waits forever.
+GreedyDual-Size-Frequency); pinned adapters never. With a seat cap, a tenant already holding its
+fair share of the seats may not evict another tenant's hot adapters (the hot set: pinned
+adapters and the ``hot_set_size`` hottest). A request waited on ``max_adapter_wait_s``, or a
+parked running one, may also displace adapters running requests use, so none waits forever.
 
 ``max_loras_per_batch`` caps the distinct adapters of the running requests when set.
 """
