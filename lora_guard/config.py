@@ -234,8 +234,9 @@ _ROWS: tuple[Setting, ...] = (
             "X-Gateway-Inference-Fairness-Id",
             metavar="FILE"),
     Setting("policies", _policies, DEFAULT_POLICIES, "comma list of hot-set, cold-budget, "
-            "kv-namespace, or one baseline: lru, on-demand, static (which needs "
-            "--static-adapter)", metavar="LIST", group="plugins"),
+            "kv-namespace, or one baseline: lru, fifo, drain, time-slice, s3-fifo, w-tinylfu, "
+            "on-demand, static (which needs --static-adapter)", metavar="LIST",
+            group="plugins"),
     Setting("plugin", _plugin_spec, (), "load this plugin too", repeat=True,
             metavar="MODULE[:OBJECT]", group="plugins"),
     Setting("disable_plugin", text, (), "do not load the plugin of this name (a built-in such "
