@@ -116,13 +116,13 @@ def test_small_kv_pool_preempts_and_still_matches(
     adapters: dict[str, Path],
     expected: dict,  # type: ignore[type-arg]
 ) -> None:
-    # 16 blocks for KV, and 32 more pages: the largest adapter here (rank 8 on every projection)
+    # 12 blocks for KV, and 32 more pages: the largest adapter here (rank 8 on every projection)
     # takes 32, so KV and adapters contend for the one pool. The engine's defaults admit first
     # come, first served (hot-set admits only what fits beside the batch's KV at its longest).
     llm = LLM(
         tiny_model,
         adapters=adapters,
-        cache_memory=_blocks_bytes(tiny_model, 16 + 32, 4),
+        cache_memory=_blocks_bytes(tiny_model, 12 + 32, 4),
         block_size=4,
         policies="kv-namespace",
     )
