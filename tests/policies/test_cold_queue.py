@@ -40,7 +40,7 @@ def test_over_the_budget_requests_queue_in_order_then_get_a_true_retry_after(
             time.sleep(0.001)
     rejected = {rid: (out, at) for rid, (out, at) in finished.items() if out.error is not None}
     served = {rid for rid, (out, _) in finished.items() if out.finish_reason == "length"}
-    assert len(served) >= 3 and len(rejected) >= 1 and len(served) + len(rejected) == 6
+    assert len(served) >= 2 and len(rejected) >= 1 and len(served) + len(rejected) == 6
     for out, at in rejected.values():
         assert at >= queue_s  # it waited in the queue first
         assert out.retry_after is not None and 0 < out.retry_after <= 60
