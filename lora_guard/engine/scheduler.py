@@ -137,7 +137,11 @@ class Scheduler:
                 evicting_loads=usage.evicting_loads.times(now),
                 num_preemptions=self.num_preemptions,
                 free_pages=blocks.num_free_blocks,
-                adapter_pages=MappingProxyType(adapters.pages_by_adapter()),
+                adapter_pages=MappingProxyType(
+                    adapters.pages_by_adapter(
+                        {s.adapter_id for s in (*self.running, *self.waiting) if s.adapter_id}
+                    )
+                ),
                 pool_pages=blocks.num_blocks,
                 block_size=blocks.block_size,
             )

@@ -70,8 +70,9 @@ def lora_guard_adapter_load(
     :param evicts: loading it now (a warm adapter) must evict an adapter that requests still
         need (thrash): neither free seats and pages nor those of adapters no request needs are
         enough.
-    :return: ``Load(slot)`` to go ahead (for a warm adapter, into seat ``slot``, evicting what is
-        there if the engine lets it leave now; None lets the engine choose), ``Defer()`` to wait a
+    :return: ``Load(slot, evict)`` to go ahead (for a warm adapter, into seat ``slot``, evicting
+        what is there if the engine lets it leave now, None letting the engine choose; when pages
+        are short, then the adapters of the seats ``evict`` names), ``Defer()`` to wait a
         step, ``Reject(reason, retry_after)`` to fail the request with ``BusyRetry``, or None to
         leave it to the next plugin (the engine's default: load, evicting an adapter no request
         needs, else the one resident longest whose quantum is over).
@@ -81,6 +82,7 @@ def lora_guard_adapter_load(
 
     .. versionadded:: 0.1
     .. versionchanged:: 0.2 ``parked`` and ``evicts``; called for parked running requests too.
+    .. versionchanged:: 0.3 ``Load.evict``.
     """
 
 

@@ -73,7 +73,8 @@ class EngineState:
     :param adapters_changed_on_disk: adapters read again because their files changed on disk
         since they were read, since the engine started.
     :param free_pages: pages of the cache pool free now (cached prefixes included).
-    :param adapter_pages: pages each adapter in host memory or in the pool takes in the pool.
+    :param adapter_pages: pages each resident adapter takes in the pool, and each adapter a
+        running or waiting request needs, once it is in host memory.
     :param pool_pages: pages of the whole cache pool (KV blocks and adapter pages).
     :param block_size: tokens of KV a page holds.
     """

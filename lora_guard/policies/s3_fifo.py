@@ -38,7 +38,8 @@ class S3FIFOPolicy(EvictionOrder):
     @hookimpl
     def lora_guard_adapter_loaded(self, adapter_id: str) -> None:
         self.freq[adapter_id] = 0
-        if self.ghost.pop(adapter_id, 0) is None:
+        if adapter_id in self.ghost:
+            del self.ghost[adapter_id]
             self.main[adapter_id] = None
         else:
             self.small[adapter_id] = None
@@ -46,7 +47,8 @@ class S3FIFOPolicy(EvictionOrder):
     @hookimpl
     def lora_guard_adapter_evicted(self, adapter_id: str) -> None:
         self.freq.pop(adapter_id, None)
-        if self.small.pop(adapter_id, 0) is None:
+        if adapter_id in self.small:
+            del self.small[adapter_id]
             self.ghost[adapter_id] = None
             while len(self.ghost) > max(len(self.main), 1):
                 self.ghost.popitem(last=False)

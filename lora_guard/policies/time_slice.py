@@ -36,7 +36,7 @@ class TimeSlicePolicy(EvictionOrder):
                 oldest.setdefault(r.adapter_id, r.arrival_time)
         busy = {r.adapter_id for r in running} | set(oldest)
         self.active = {a: t for a, t in self.active.items() if a in busy}
-        turns = max(1, sum(v.adapter_id is not None for v in state.slots) or len(state.slots))
+        turns = max(1, sum(v.adapter_id is not None for v in state.slots))
         queued = sorted((a for a in oldest if a not in self.active), key=oldest.__getitem__)
         for adapter in queued:
             if len(self.active) >= turns:

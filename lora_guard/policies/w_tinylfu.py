@@ -70,7 +70,8 @@ class WTinyLFUPolicy(EvictionOrder):
             self.window.move_to_end(adapter)
         elif adapter in self.protected:
             self.protected.move_to_end(adapter)
-        elif self.probation.pop(adapter, 0) is None:
+        elif adapter in self.probation:
+            del self.probation[adapter]
             self.protected[adapter] = None
 
     @hookimpl

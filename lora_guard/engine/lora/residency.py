@@ -277,11 +277,13 @@ class ResidencyManager:
             return None
         return Lookup.COLD
 
-    def pages_by_adapter(self) -> dict[str, int]:
-        """Pages each adapter in host memory or in the pool takes in the pool."""
+    def pages_by_adapter(self, adapter_ids: Iterable[str]) -> dict[str, int]:
+        """Pages each resident adapter, and each of ``adapter_ids`` in host memory, takes in the
+        pool."""
         if self.pool is None:
             return {}
-        pages = {a: self._layout(adapter).num_pages for a, adapter in self.host.entries.items()}
+        host = self.host.entries
+        pages = {a: self._layout(host[a]).num_pages for a in adapter_ids if a in host}
         for entry in self.residents():
             pages.setdefault(entry.adapter_id, entry.num_pages)
         return pages
