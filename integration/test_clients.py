@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 from huggingface_hub import InferenceClient
 from openai import OpenAI
@@ -91,3 +95,51 @@ def test_models_lists_the_base_and_every_adapter(server: Server) -> None:
     client = OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60)
     ids = [m.id for m in client.models.list()]
     assert ids[1:] == ["a-00", "a-01", "a-02"]
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_openai_stream_usage_equals_the_plain_answers(
+    server: Server, reference: LLM, route: str
+) -> None:
+    """``stream_options.include_usage``: every chunk says ``usage: null`` and a last one, with no
+    choices, carries the counts the plain answer gives: prompt tokens after the chat template,
+    tokens generated."""
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60)
+    messages = [{"role": "user", "content": "What is a LoRA adapter?"}]
+    ask: dict[str, Any] = {"model": "a-01", "max_tokens": NEW, "temperature": 0}
+    if route == "chat":
+        create: Callable[..., Any] = client.chat.completions.create
+        ask["messages"] = messages
+        text = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                       tokenize=False)  # fmt: skip
+    else:
+        create, ask["prompt"], text = client.completions.create, PROMPT, PROMPT
+    plain = create(**ask)
+    chunks = list(create(**ask, stream=True, stream_options={"include_usage": True}))
+    *body, last = chunks
+    assert last.choices == [] and last.usage is not None
+    assert all(c.usage is None and len(c.choices) == 1 for c in body)
+    want = reference.generate(text, SamplingParams(max_new_tokens=NEW), "a-01")[0]
+    assert last.usage.completion_tokens == len(want.token_ids) == NEW
+    assert last.usage.prompt_tokens == len(reference.tokenizer.encode(text))
+    assert last.usage.model_dump() == plain.usage.model_dump()
+    silent = list(create(**ask, stream=True))
+    assert all(c.usage is None for c in silent)  # not asked for: not sent
+
+
+def test_continuous_usage_counts_every_chunk_and_options_need_a_stream(server: Server) -> None:
+    body = {"model": "a-00", "prompt": PROMPT, "max_tokens": NEW, "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    events = [json.loads(line) for line in lines[:-1]]
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == NEW
+    assert events[-1]["choices"] == [] and events[-2]["choices"][0]["finish_reason"] == "length"
+    refused = httpx.post(server.url + "/v1/completions", timeout=60,
+                         json={**body, "stream": False})  # fmt: skip
+    assert refused.status_code == 422
+    assert "stream_options" in refused.json()["error"]

@@ -49,6 +49,11 @@ class TokenizeRequest(_Body):
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
 
 
+class StreamOptions(_Body):
+    include_usage: bool = False  # a last chunk with ``usage`` and no choices
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the counts so far
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -64,6 +69,7 @@ class ChatCompletionRequest(_Body):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logprobs: bool | None = None
@@ -79,5 +85,6 @@ class CompletionRequest(_Body):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     echo: bool = False
     n: int | None = None

@@ -66,28 +66,51 @@ class _Reply:
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def body(
-        self, kind: str, choice: dict[str, Any], usage: dict[str, int] | None = None
-    ) -> dict[str, Any]:
-        body = {
+    def body(self, kind: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
             "id": self.id,
             "object": kind,
             "created": self.created,
             "model": self.model,
             "system_fingerprint": "lora-guard",
-            "choices": [{"index": 0, **choice}],
+            "choices": [{"index": 0, **choice} for choice in choices],
+            **extra,
         }
-        if usage is not None:
-            body["usage"] = usage
-        return body
 
 
-def _usage(run: Run, out: RequestOutput) -> dict[str, int]:
+def _usage(run: Run, out: RequestOutput | None) -> dict[str, int]:
+    """Prompt tokens (after the chat template) and tokens generated so far."""
+    generated = len(out.token_ids) if out is not None else 0
     return {
         "prompt_tokens": len(run.prompt),
-        "completion_tokens": len(out.token_ids),
-        "total_tokens": len(run.prompt) + len(out.token_ids),
+        "completion_tokens": generated,
+        "total_tokens": len(run.prompt) + generated,
     }
+
+
+@dataclass(frozen=True, slots=True)
+class _StreamUsage:
+    """What a stream tells of its token counts: nothing unless the client asks for it in
+    ``stream_options`` (OpenAI's ``include_usage``: ``"usage": null`` on every chunk, then a
+    last chunk with the counts and no choices; vLLM's ``continuous_usage_stats``: the counts so
+    far on every chunk as well)."""
+
+    include: bool = False
+    continuous: bool = False
+
+    @classmethod
+    def of(cls, body: ChatCompletionRequest | CompletionRequest) -> _StreamUsage:
+        options = body.stream_options
+        if options is None:
+            return cls()
+        if not body.stream:
+            raise validation("`stream_options` is only allowed when `stream` is true")
+        return cls(options.include_usage, options.include_usage and options.continuous_usage_stats)
+
+    def field(self, run: Run, out: RequestOutput | None) -> dict[str, Any]:
+        if not self.include:
+            return {}
+        return {"usage": _usage(run, out) if self.continuous else None}
 
 
 def _finish(out: RequestOutput) -> str | None:
@@ -98,26 +121,29 @@ def _finish(out: RequestOutput) -> str | None:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = state_of(request)
     reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", body.model or state.model_id)
+    usage = _StreamUsage.of(body)
     run = await start(request, _ask(body, _chat_text(state, body)))
     if not body.stream:
         last = await run.final()
         message = {"role": "assistant", "content": last.text}
         choice = {"message": message, "logprobs": None, "finish_reason": _finish(last)}
-        return JSONResponse(reply.body("chat.completion", choice, _usage(run, last)))
+        return JSONResponse(reply.body("chat.completion", [choice], usage=_usage(run, last)))
 
     def chunk(
-        delta: dict[str, Any], finish: str | None = None, usage: dict[str, int] | None = None
+        delta: dict[str, Any], out: RequestOutput | None, finish: str | None = None
     ) -> dict[str, Any]:
         choice = {"delta": delta, "logprobs": None, "finish_reason": finish}
-        return reply.body("chat.completion.chunk", choice, usage)
+        return reply.body("chat.completion.chunk", [choice], **usage.field(run, out))
 
     async def events() -> AsyncIterator[dict[str, Any]]:
-        yield chunk({"role": "assistant", "content": ""})
-        async for piece in _text_deltas(run):
-            if isinstance(piece, str):
-                yield chunk({"content": piece})
-            else:
-                yield chunk({}, _finish(piece), _usage(run, piece))
+        yield chunk({"role": "assistant", "content": ""}, None)
+        async for text, out in _text_deltas(run):
+            if text:
+                yield chunk({"content": text}, out)
+            if out.finished:
+                yield chunk({}, out, _finish(out))
+                if usage.include:
+                    yield reply.body("chat.completion.chunk", [], usage=_usage(run, out))
 
     return sse(run, events(), openai=True)
 
@@ -128,37 +154,43 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     if len(prompts) != 1:
         raise validation("`prompt` must be one string")
     reply = _Reply(f"cmpl-{uuid.uuid4().hex}", body.model or state_of(request).model_id)
+    usage = _StreamUsage.of(body)
     run = await start(request, _ask(body, prompts[0]))
     prefix = prompts[0] if body.echo else ""
     if not body.stream:
         last = await run.final()
         choice = {"text": prefix + last.text, "logprobs": None, "finish_reason": _finish(last)}
-        return JSONResponse(reply.body("text_completion", choice, _usage(run, last)))
+        return JSONResponse(reply.body("text_completion", [choice], usage=_usage(run, last)))
 
-    def chunk(text: str, finish: str | None = None) -> dict[str, Any]:
+    def chunk(text: str, out: RequestOutput | None, finish: str | None = None) -> dict[str, Any]:
         choice = {"text": text, "logprobs": None, "finish_reason": finish}
-        return reply.body("text_completion", choice)
+        return reply.body("text_completion", [choice], **usage.field(run, out))
 
     async def events() -> AsyncIterator[dict[str, Any]]:
         if prefix:
-            yield chunk(prefix)
-        async for piece in _text_deltas(run):
-            yield chunk(piece) if isinstance(piece, str) else chunk("", _finish(piece))
+            yield chunk(prefix, None)
+        async for text, out in _text_deltas(run):
+            if text:
+                yield chunk(text, out)
+            if out.finished:
+                yield chunk("", out, _finish(out))
+                if usage.include:
+                    yield reply.body("text_completion", [], usage=_usage(run, out))
 
     return sse(run, events(), openai=True)
 
 
-async def _text_deltas(run: Run) -> AsyncIterator[str | RequestOutput]:
-    """New text after each step, then the final output."""
+async def _text_deltas(run: Run) -> AsyncIterator[tuple[str, RequestOutput]]:
+    """Each output with the text it adds (empty when it adds none); the last is finished."""
     sent = ""
     async for out in run.outputs():
         # Hold back a trailing replacement character: a multi-byte character is unfinished.
         ready = out.text if out.finished else out.text.rstrip("\ufffd")
+        text = ""
         if len(ready) > len(sent) and ready.startswith(sent):
-            yield ready[len(sent) :]
-            sent = ready
-        if out.finished:
-            yield out
+            text, sent = ready[len(sent) :], ready
+        if text or out.finished:
+            yield text, out
 
 
 @router.get("/models")
