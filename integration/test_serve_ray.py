@@ -241,6 +241,49 @@ def test_openai_routes_and_bad_requests_through_the_ingress(fleet: Fleet) -> Non
     assert info["router"] == "lora-guard"
 
 
+def test_the_fleets_metrics_agree_with_the_replicas_own(fleet: Fleet) -> None:
+    """The fleet's hit rate and cold-fail ratio are what the replicas' summed counters give,
+    within 0 to 1; counters are the replicas' sums; per-replica gauges keep a ``replica``
+    label (one series per replica, each the replica's own value)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
+
+    for adapter in ("f-03", "f-03", "f-03", "f-04"):  # hot lookups on one replica at least
+        body = {"inputs": "Hello", "parameters": {"max_new_tokens": 2, "adapter_id": adapter}}
+        assert httpx.post(fleet.url + "/generate", json=body, timeout=60).status_code == 200
+    fleet_text = httpx.get(fleet.url + "/metrics", timeout=60).text
+    stats = fleet_stats(fleet.app_name)
+    assert len(stats) == REPLICAS
+    ours, theirs = samples(fleet_text), [samples(s["metrics"]) for s in stats]
+
+    def summed(name: str, **only: set[str]) -> float:
+        """The replicas' samples of ``name`` whose labels take the values ``only`` names."""
+        return sum(v for one in theirs for (n, labels), v in one.items()
+                   if n == name and all(dict(labels).get(k) in vs for k, vs in only.items())
+                   )  # fmt: skip
+
+    lookups = summed("lora_guard_adapter_lookups_total")
+    hot = summed("lora_guard_adapter_lookups_total", result={"hot"})
+    assert lookups >= 4 and ours["lora_guard_adapter_lookups_total", (("result", "hot"),)] == hot
+    hit_rate = ours["lora_guard_hot_adapter_hit_rate", ()]
+    assert hit_rate == hot / lookups
+    cold = summed("lora_guard_cold_loads_total")
+    failed = summed("lora_guard_cold_loads_total", outcome={"rejected", "failed"})
+    fail_ratio = ours["lora_guard_cold_load_fail_ratio", ()]
+    assert fail_ratio == (failed / cold if cold else 0.0)
+    assert 0 <= hit_rate <= 1 and 0 <= fail_ratio <= 1
+    labelled = {dict(labels)["replica"]: v for (n, labels), v in ours.items()
+                if n == "vllm:num_requests_running"}  # fmt: skip
+    assert len(labelled) == REPLICAS
+    assert sorted(labelled.values()) == sorted(
+        one["vllm:num_requests_running", ()] for one in theirs)  # fmt: skip
+    info = [labels for (n, labels), _ in ours.items() if n == "vllm:lora_requests_info"]
+    assert len({dict(labels)["replica"] for labels in info}) == REPLICAS  # told apart
+
+
 def aborted(fleet: Fleet) -> float:
     """Requests the replicas aborted (``tgi_request_failure{err="abort"}``), summed."""
     prefix = 'tgi_request_failure{err="abort"} '

@@ -5,9 +5,10 @@
 else ``default``), and forwards the request to the engine deployment through its handle with
 ``multiplexed_model_id="tenant:adapter"``; the request router picks the replica. Each engine
 replica runs the lora-guard engine with its policies and answers the request with lora-guard's own
-FastAPI application (``asgi.call_app``), streaming included. ``GET /metrics`` sums the replicas'
-metrics; the adapter administration routes that change an engine (load, unload, pin) are refused
-with 501, since they would reach one replica only.
+FastAPI application (``asgi.call_app``), streaming included. ``GET /metrics`` gives the fleet's
+metrics (``serve_ray.metrics``: counters summed, ratios computed again, other gauges per
+replica); the adapter administration routes that change an engine (load, unload, pin) are
+refused with 501, since they would reach one replica only.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the route's annotations at runtime.
@@ -104,12 +105,18 @@ class EngineReplica:
 
 
 def replica_actors(app_name: str) -> list[Any]:
-    """The Ray actors of the application's engine replicas (Ray Serve names them
-    ``SERVE_REPLICA::app#deployment#id``); each answers ``record_routing_stats``."""
+    """The Ray actors of the application's engine replicas; each answers
+    ``record_routing_stats``."""
+    return list(named_replicas(app_name).values())
+
+
+def named_replicas(app_name: str) -> dict[str, Any]:
+    """The application's engine replicas by their Ray Serve id (Ray Serve names the actors
+    ``SERVE_REPLICA::app#deployment#id``)."""
     prefix = f"SERVE_REPLICA::{app_name}#{ENGINE_DEPLOYMENT}#"
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["name"].startswith(prefix)]  # fmt: skip
-    return [ray.get_actor(name, namespace="serve") for name in sorted(names)]
+    return {name[len(prefix) :]: ray.get_actor(name, namespace="serve") for name in sorted(names)}
 
 
 http = FastAPI(title="lora-guard on Ray Serve")
@@ -183,10 +190,13 @@ class Ingress:
             return None
         return f"{tenant or 'default'}:{name}"
 
-    async def _replica_metrics(self) -> list[str]:
-        actors = replica_actors(self.app_name)
-        stats = await asyncio.gather(*(a.record_routing_stats.remote() for a in actors))
-        return [str(s.get("metrics", "")) for s in stats]
+    async def _replica_metrics(self) -> dict[str, str]:
+        """Each replica's Prometheus text, by its id."""
+        replicas = named_replicas(self.app_name)
+        stats = await asyncio.gather(*(a.record_routing_stats.remote() for a in replicas.values()))
+        return {
+            replica: str(s.get("metrics", "")) for replica, s in zip(replicas, stats, strict=True)
+        }
 
 
 def fleet_stats(app_name: str) -> list[dict[str, Any]]:
