@@ -143,3 +143,52 @@ def test_continuous_usage_counts_every_chunk_and_options_need_a_stream(server: S
                          json={**body, "stream": False})  # fmt: skip
     assert refused.status_code == 422
     assert "stream_options" in refused.json()["error"]
+
+
+def test_vllm_tokenize_and_detokenize_beside_tgis(server: Server, reference: LLM) -> None:
+    """vLLM's bodies on /tokenize give the ids the engine computes on (a chat's count equals the
+    chat answer's prompt tokens); TGI's body on the same path still gets TGI's answer."""
+    url = server.url
+    prompt = httpx.post(url + "/tokenize", json={"prompt": PROMPT}, timeout=60).json()
+    assert prompt["tokens"] == reference.engine.encode(PROMPT)
+    assert prompt["count"] == len(prompt["tokens"]) and prompt["max_model_len"] > 0
+    messages = [{"role": "user", "content": "What is a LoRA adapter?"}]
+    chat = httpx.post(url + "/tokenize", timeout=60,
+                      json={"model": "a-01", "messages": messages, "return_token_strs": True},
+                      ).json()  # fmt: skip
+    client = OpenAI(base_url=url + "/v1", api_key="unused", timeout=60)
+    answer = client.chat.completions.create(model="a-01", messages=messages, max_tokens=2)
+    assert answer.usage is not None and chat["count"] == answer.usage.prompt_tokens
+    assert len(chat["token_strs"]) == chat["count"]
+    plain = httpx.post(url + "/tokenize", json={"prompt": PROMPT, "add_special_tokens": False},
+                       timeout=60).json()  # fmt: skip
+    back = httpx.post(url + "/detokenize", json={"tokens": plain["tokens"]}, timeout=60)
+    assert back.status_code == 200 and back.json() == {"prompt": PROMPT}
+    tgi = httpx.post(url + "/tokenize", json={"inputs": PROMPT}, timeout=60).json()
+    assert [t["id"] for t in tgi] == plain["tokens"]
+    bad = httpx.post(url + "/detokenize", json={"tokens": [10**9]}, timeout=60)
+    assert bad.status_code == 422 and "vocabulary" in bad.json()["error"]
+    unknown = httpx.post(url + "/tokenize", json={"prompt": "x", "model": "nope"}, timeout=60)
+    assert unknown.status_code == 404
+
+
+def test_vllm_sampling_extras_on_the_openai_routes(server: Server, reference: LLM) -> None:
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60)
+    ask = {"model": "a-00", "prompt": PROMPT, "max_tokens": NEW, "temperature": 0}
+    first = reference.generate(PROMPT, SamplingParams(max_new_tokens=NEW), "a-00")[0].token_ids[0]
+    stopped = client.completions.create(**ask, extra_body={"stop_token_ids": [first]})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage is not None and stopped.usage.completion_tokens == 1
+    held = client.completions.create(
+        **ask, extra_body={"stop_token_ids": [first], "min_tokens": 3, "ignore_eos": True}
+    )
+    assert held.usage is not None and held.usage.completion_tokens >= 3  # no end before 3
+    sampled = {**ask, "temperature": 0.8, "seed": 7}
+    extras = {"top_k": 5, "repetition_penalty": 1.2, "unknown_field": 1}
+    twice = [client.completions.create(**sampled, extra_body=extras).choices[0].text
+             for _ in range(2)]  # fmt: skip
+    assert twice[0] == twice[1]  # seeded: the same text
+    for bad in ({"repetition_penalty": 0}, {"top_k": -2}, {"min_tokens": NEW + 1}):
+        reply = httpx.post(server.url + "/v1/completions", json={**ask, **bad}, timeout=60)
+        assert reply.status_code == 422, bad
+        assert next(iter(bad)) in reply.json()["error"]

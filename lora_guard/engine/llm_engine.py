@@ -102,6 +102,7 @@ class LLMEngine:
         self.scheduler, self.runner, self.check = scheduler, runner, check
         self.max_model_len = check.max_model_len
         self.eos_token_ids = eos_token_ids(runner.model.config, tokenizer)
+        runner.eos_token_ids = frozenset(self.eos_token_ids)
         # the parts callers read (admin routes, bench, tests); the engine goes through its owners
         self.adapters, self.blocks = scheduler.adapters, scheduler.blocks
         self.model, self.pool = runner.model, runner.pool
@@ -219,6 +220,8 @@ class LLMEngine:
     def _after_token(self, seq: Sequence, token: int) -> RequestOutput:
         params, text, stop_sequence = seq.params, self._decode(seq), None
         reason = FinishReason.EOS if token in self.eos_token_ids and not params.ignore_eos else None
+        if token in params.stop_token_ids:
+            reason = FinishReason.STOP
         for stop in params.stop:
             index = text.find(stop)
             if index != -1:
@@ -258,7 +261,8 @@ class LLMEngine:
         )  # fmt: skip
 
     def _decode(self, seq: Sequence) -> str:
-        return str(self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True))
+        skip = seq.params.skip_special_tokens
+        return str(self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip))
 
     # inspection
     def check_no_leaks(self) -> None:

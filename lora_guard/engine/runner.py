@@ -38,6 +38,7 @@ class ModelRunner:
         self.block_size, self.lora_mode = pool.block_size, lora_mode
         self.merge_for_good = merge_for_good  # the static baseline: no unmerge, no copy kept
         self.device = model.device
+        self.eos_token_ids: frozenset[int] = frozenset()  # the engine's, for ``min_tokens``
 
     def merge(self, adapter: LoRAAdapter | None) -> None:
         """Merged mode: fold ``adapter`` into the base weights (None: the base model again)."""
@@ -50,10 +51,16 @@ class ModelRunner:
         for src, dst in plan.copies:
             self.kv_cache.copy_block(src, dst, self.block_size)
         logits, sampled = self._forward(plan)
-        tokens, logprobs = sample(
-            logits, [SamplerInput(s.params, s.generator, s.token_ids) for s in sampled]
-        )
+        rows = [SamplerInput(s.params, s.generator, s.token_ids, self._banned(s)) for s in sampled]
+        tokens, logprobs = sample(logits, rows)
         return StepResult(sampled, tokens, logprobs)
+
+    def _banned(self, seq: Sequence) -> tuple[int, ...]:
+        """The end tokens ``seq`` may not generate yet (``min_tokens``)."""
+        params = seq.params
+        if len(seq.output_token_ids) >= params.min_tokens:
+            return ()
+        return tuple(sorted(self.eos_token_ids | set(params.stop_token_ids)))
 
     def _forward(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
         # Sequences under one adapter sit next to each other, so each adapter's tokens are one

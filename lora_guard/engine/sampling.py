@@ -33,6 +33,9 @@ class SamplingParams:
     repetition_penalty: float | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # no end of sequence (EOS or ``stop_token_ids``) before this many tokens
+    stop_token_ids: list[int] = field(default_factory=list)  # generating one ends the request
+    skip_special_tokens: bool = True  # in the text; the token ids keep them
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "repetition_penalty"):
@@ -53,6 +56,10 @@ class SamplingParams:
             raise InvalidParams("`seed` must be a non-negative 64-bit integer")
         if any(not s for s in self.stop):
             raise InvalidParams("`stop` sequences must not be empty")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise InvalidParams("`min_tokens` must be >= 0 and <= `max_new_tokens`")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidParams("`stop_token_ids` must be token ids (>= 0)")
 
     @property
     def sampling(self) -> bool:
@@ -71,6 +78,7 @@ class SamplerInput:
     params: SamplingParams
     generator: torch.Generator | None
     history: list[int]  # prompt and generated tokens, for the repetition penalty
+    banned: tuple[int, ...] = ()  # tokens it may not pick now (the ends, before ``min_tokens``)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplerInput]) -> tuple[list[int], list[float]]:
@@ -79,6 +87,11 @@ def sample(logits: torch.Tensor, rows: list[SamplerInput]) -> tuple[list[int], l
     Returns the tokens and their log-probabilities under the processed distribution.
     """
     logits = logits.float()
+    if any(r.banned for r in rows):
+        logits = logits.clone()
+        for i, r in enumerate(rows):
+            ids = [t for t in r.banned if t < logits.shape[1]]
+            logits[i, ids] = float("-inf")
     if all(not r.params.sampling and not r.params.repetition_penalty for r in rows):
         logprobs = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)

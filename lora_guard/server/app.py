@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from lora_guard import __version__
-from lora_guard.server import errors, routes_admin, routes_openai, routes_tgi
+from lora_guard.server import errors, routes_admin, routes_openai, routes_tgi, routes_tokens
 from lora_guard.server.errors import APIError
 from lora_guard.server.state import ServerState
 
@@ -32,6 +32,7 @@ def create_app(state: ServerState) -> FastAPI:
     errors.install(app)
     app.include_router(routes_tgi.router)
     app.include_router(routes_openai.router)
+    app.include_router(routes_tokens.router)
     app.include_router(routes_admin.router)
 
     @app.middleware("http")

@@ -49,17 +49,57 @@ class TokenizeRequest(_Body):
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
 
 
-class StreamOptions(_Body):
-    include_usage: bool = False  # a last chunk with ``usage`` and no choices
-    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the counts so far
-
-
 class ChatMessage(_Body):
     role: str
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(_Body):
+class PromptTokenizeRequest(_Body):
+    """vLLM's ``/tokenize`` body for a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class ChatTokenizeRequest(_Body):
+    """vLLM's ``/tokenize`` body for chat messages (through the chat template)."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's ``/detokenize`` body."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False  # a last chunk with ``usage`` and no choices
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the counts so far
+
+
+class _OpenAIBody(_Body):
+    """OpenAI's fields, and vLLM's sampling extras where the engine has them. Other fields are
+    kept (not refused, as OpenAI does) so that the route can log them once."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    top_k: int | None = None  # vLLM's -1 and 0: no top-k
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+
+class ChatCompletionRequest(_OpenAIBody):
     model: str | None = None
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -76,7 +116,7 @@ class ChatCompletionRequest(_Body):
     n: int | None = None
 
 
-class CompletionRequest(_Body):
+class CompletionRequest(_OpenAIBody):
     model: str | None = None
     prompt: str | list[str]
     max_tokens: int | None = None

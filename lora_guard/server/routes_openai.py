@@ -3,6 +3,7 @@ adapter; ``"tgi"`` or the base model id mean the base model."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,16 +16,21 @@ from fastapi.responses import JSONResponse, Response
 from lora_guard.engine.llm_engine import RequestOutput
 from lora_guard.server.errors import validation
 from lora_guard.server.pipeline import Ask, Run, sse, start
-from lora_guard.server.protocol import ChatCompletionRequest, CompletionRequest
+from lora_guard.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from lora_guard.server.state import ServerState, state_of
 
+log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
+_IGNORED_SEEN: set[str] = set()  # fields logged once already
 FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
 
 
 def _ask(body: ChatCompletionRequest | CompletionRequest, text: str) -> Ask:
     if body.n not in (None, 1):
         raise validation("`n` != 1 is not supported")
+    _log_ignored(body)
+    if body.top_k is not None and body.top_k < -1:
+        raise validation("`top_k` must be strictly positive (-1 or 0: no top-k, as in vLLM)")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     greedy = body.temperature is None or body.temperature == 0  # as in TGI
     max_tokens = body.max_tokens
@@ -33,16 +39,31 @@ def _ask(body: ChatCompletionRequest | CompletionRequest, text: str) -> Ask:
     sampling = dict(
         do_sample=not greedy, temperature=None if greedy else body.temperature,
         top_p=None if greedy or body.top_p in (None, 1.0) else body.top_p,
-        seed=body.seed, stop=stop,
+        top_k=None if greedy or body.top_k in (None, -1, 0) else body.top_k,
+        seed=body.seed, stop=stop, repetition_penalty=body.repetition_penalty,
+        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+        stop_token_ids=list(body.stop_token_ids or []),
+        skip_special_tokens=body.skip_special_tokens,
     )  # fmt: skip
     return Ask(text, body.model, max_tokens, sampling, openai=True)
 
 
-def _chat_text(state: ServerState, body: ChatCompletionRequest) -> str:
-    if not body.messages:
+def _log_ignored(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """Name once, at debug level, each field a request sent that neither OpenAI's nor vLLM's
+    parameters here use."""
+    for name in (body.model_extra or {}).keys() - _IGNORED_SEEN:
+        _IGNORED_SEEN.add(name)
+        log.debug("ignoring the OpenAI request field %r (not a parameter lora-guard has)", name)
+
+
+def chat_text(
+    state: ServerState, messages_in: list[ChatMessage], add_generation_prompt: bool = True
+) -> str:
+    """The prompt the model's chat template makes of ``messages_in`` (text parts only)."""
+    if not messages_in:
         raise validation("`messages` must not be empty")
     messages = []
-    for m in body.messages:
+    for m in messages_in:
         content = m.content
         if isinstance(content, list):
             content = "".join(
@@ -51,7 +72,7 @@ def _chat_text(state: ServerState, body: ChatCompletionRequest) -> str:
         messages.append({"role": m.role, "content": content or ""})
     try:
         text: str = state.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
         )
     except Exception as exc:
         raise validation(f"the chat template refused the messages: {exc}") from None
@@ -122,7 +143,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     state = state_of(request)
     reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", body.model or state.model_id)
     usage = _StreamUsage.of(body)
-    run = await start(request, _ask(body, _chat_text(state, body)))
+    run = await start(request, _ask(body, chat_text(state, body.messages)))
     if not body.stream:
         last = await run.final()
         message = {"role": "assistant", "content": last.text}

@@ -1,4 +1,5 @@
-"""TGI's routes: /generate, /generate_stream, / (compat), /info, /health, /metrics, /tokenize."""
+"""TGI's routes: /generate, /generate_stream, / (compat), /info, /health, /metrics (``/tokenize``
+is in ``routes_tokens``, beside vLLM's)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from lora_guard.engine.llm_engine import RequestOutput
 from lora_guard.server.auth import require_admin
 from lora_guard.server.errors import unavailable, validation
 from lora_guard.server.pipeline import Ask, sse, start
-from lora_guard.server.protocol import CompatGenerateRequest, GenerateRequest, TokenizeRequest
+from lora_guard.server.protocol import CompatGenerateRequest, GenerateRequest
 from lora_guard.server.state import ServerState, state_of
 
 router = APIRouter()
@@ -156,13 +157,3 @@ async def metrics(request: Request) -> Response:
     if plugin is None:
         return Response("", media_type="text/plain")
     return Response(plugin.render(), media_type=plugin.content_type)
-
-
-@router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, request: Request) -> list[dict[str, Any]]:
-    state = state_of(request)
-    encoding = state.tokenizer(body.inputs, return_offsets_mapping=True, add_special_tokens=False)
-    return [
-        {"id": i, "text": body.inputs[a:b], "start": a, "stop": b}
-        for i, (a, b) in zip(encoding["input_ids"], encoding["offset_mapping"], strict=True)
-    ]
