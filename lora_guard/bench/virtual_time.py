@@ -50,8 +50,11 @@ from lora_guard.simulate_costs import MIB, Costs, read_costs
 #: scheme -> ``--policies`` (None: the defaults, lora-guard's guard policies)
 SCHEMES: dict[str, str | None] = {
     "base": "lru", "lru": "lru", "fifo": "fifo", "drain": "drain", "time-slice": "time-slice",
-    "s3-fifo": "s3-fifo", "w-tinylfu": "w-tinylfu", "lora-guard": None,
+    "s3-fifo": "s3-fifo", "w-tinylfu": "w-tinylfu", "lora-guard": None, "all-resident": "lru",
 }  # fmt: skip
+#: every adapter the trace names pinned in pages added to the pool, so the KV keeps its room: the
+#: latency no residency policy can beat on that pool (loads and adapter waits cost nothing)
+ALL_RESIDENT = "all-resident"
 IDLE_S = 100.0  # virtual seconds between the warm-up and the replay: the warm-up's heat is gone
 PRESSURE_RANKS = (8, 16, 32, 64)  # with targets alternating: 21x in bytes from least to most
 PRESSURE_FACTOR = 3.0  # adapters in use over a minute / the room beside the KV the load needs
@@ -104,7 +107,6 @@ class Result:
     binds: list[Bind] = field(default_factory=list)
     start_resident: tuple[str, ...] = ()
     rejected: int = 0
-    cache_memory: int = 0
     arrivals: list[tuple[str, bool]] = field(default_factory=list)  # adapter, resident then
 
     def figures(self) -> dict[str, Any]:
@@ -251,12 +253,26 @@ class Bench:
     def demo_mib(self) -> dict[str, float]:
         return {a: b * self.scale / MIB for a, b in self.adapter_bytes.items()}
 
-    def llm(self, policies: str | None, cache_memory: int, max_loras: int) -> Any:
+    def llm(
+        self, policies: str | None, cache_memory: int, max_loras: int, pin: Sequence[str] = ()
+    ) -> Any:
         from lora_guard.engine import LLM
 
         return LLM(self.model, adapter_dir=self.adapter_dir, max_cpu_loras=len(self.adapter_ids),
                    cache_memory=cache_memory, max_loras=max_loras, max_lora_rank=64,
-                   policies=policies)  # fmt: skip
+                   policies=policies, settings={"pin": list(pin)})  # fmt: skip
+
+    def pages_bytes(self, adapter_ids: Sequence[str]) -> int:
+        """Bytes of the pool pages ``adapter_ids`` take together."""
+        with virtual_clock() as clock:
+            llm = self.llm("lru", 64 * MIB, 0)
+            replay = self.replay(llm, clock)
+            warm_up(replay, adapter_ids)
+            engine = llm.engine
+            pages = sum(engine.adapters.pages_by_adapter(adapter_ids).values())
+            page_bytes = engine.pool.nbytes() // engine.pool.num_pages
+            engine.shutdown()
+        return int(pages * page_bytes)
 
     def replay(self, llm: Any, clock: VirtualClock) -> Replay:
         return Replay(llm, clock, self.costs, self.demo_mib(), self.scale)
@@ -282,13 +298,17 @@ def run_scheme(
     bench: Bench, scheme: str, trace: Sequence[TraceRequest], cache_memory: int
 ) -> tuple[Result, int]:
     """``scheme`` replaying ``trace``; its result, and the most KV blocks' bytes it held."""
+    asked = sorted({r.adapter_id for r in trace if r.adapter_id})
+    pin: Sequence[str] = ()
+    if scheme == ALL_RESIDENT:
+        pin, cache_memory = asked, cache_memory + bench.pages_bytes(asked)
     with virtual_clock() as clock:
-        max_loras = 0 if scheme == "base" else bench.max_loras
-        llm = bench.llm(SCHEMES[scheme], cache_memory, max_loras)
+        max_loras = 0 if scheme in ("base", ALL_RESIDENT) else bench.max_loras
+        llm = bench.llm(SCHEMES[scheme], cache_memory, max_loras, pin)
         replay = bench.replay(llm, clock)
         adapters = scheme != "base"
         if adapters:
-            warm_up(replay, sorted({r.adapter_id for r in trace if r.adapter_id}))
+            warm_up(replay, asked)
         engine = llm.engine
         loads = engine.adapters.stats.loads
         resident = tuple(e.adapter_id for e in engine.adapters.residents() if not e.stale)
@@ -299,8 +319,7 @@ def run_scheme(
         engine.check_no_leaks()
         tenants = {r.id: r.tenant for r in trace}
         result = Result(scheme, records, tenants, engine.adapters.stats.loads - loads,
-                        recorder.ordered_binds(), resident, rejected, cache_memory,
-                        replay.arrivals)  # fmt: skip
+                        recorder.ordered_binds(), resident, rejected, replay.arrivals)  # fmt: skip
         kv_bytes = replay.peak_kv_blocks * engine.pool.nbytes() // engine.pool.num_pages
         engine.shutdown()
     return result, kv_bytes
@@ -323,7 +342,9 @@ def window_bytes(trace: Sequence[TraceRequest], sizes: dict[str, int]) -> list[i
 @dataclass
 class Pressure:
     """How the pool of a ``pressure`` study is sized: the KV the load needs, and room for a
-    third of the adapters in use over a minute."""
+    third of the adapters in use over a minute. The KV is the most an LRU replay of the same
+    trace held with every adapter fitting: with adapter-scoped keys each adapter's requests
+    cache their prompts apart, so the adapters' load holds more KV than the base model's."""
 
     kv_bytes: int
     window_bytes_p10: int
@@ -364,13 +385,11 @@ def study(
     results: dict[str, Result] = {}
     pressure = None
     if cache_memory is None and spec.scenario == "pressure":
-        base, kv_bytes = run_scheme(bench, "base", trace, 64 * MIB)
+        _, kv_bytes = run_scheme(bench, "lru", trace, 64 * MIB)
         windows = window_bytes(trace, bench.adapter_bytes)
         pressure = Pressure(kv_bytes, int(percentile(windows, 10) or 0),
                             int(percentile(windows, 50) or 0))  # fmt: skip
         cache_memory = pressure.cache_memory
-        if "base" in schemes:
-            results["base"] = replace(base, cache_memory=cache_memory)
     pool = cache_memory or 64 * MIB
     for scheme in schemes:
         if scheme not in results:
