@@ -99,6 +99,9 @@ METRICS = (
     Metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
     Metric("vllm:num_preemptions", "counter",
            "Running requests preempted because the KV pool was full (recomputed later)."),
+    Metric("vllm:time_to_first_token_seconds", "histogram",
+           "Seconds from a request's arrival to its first generated token.",
+           buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)),
     Metric("vllm:kv_cache_usage_perc", "gauge",
            "KV-cache usage: the share of the cache pool held by KV blocks in use. 1 means 100 "
            "percent usage."),
@@ -219,6 +222,9 @@ class MetricsPlugin:
             self.gauge["tgi_request_success"].inc()
         duration_s = max(time.monotonic() - request.arrival_time, 0.0)
         self.histogram["tgi_request_duration"].observe(duration_s)
+        if request.first_token_time is not None:
+            ttft_s = max(request.first_token_time - request.arrival_time, 0.0)
+            self.histogram["vllm:time_to_first_token_seconds"].observe(ttft_s)
         self.histogram["tgi_request_input_length"].observe(request.num_prompt_tokens)
         self.histogram["tgi_request_generated_tokens"].observe(request.num_output_tokens)
 

@@ -101,6 +101,12 @@ def test_a_workload_shows_in_the_metrics(tiny_model: Path, adapters: dict[str, P
 
     assert _value(s, "vllm:num_requests_running") == 0
     assert _value(s, "vllm:num_requests_waiting") == 0
+    # Every request's first token came before its end: TTFT counted once each, under the duration.
+    total = sum(len(batch) for batch in batches)
+    assert _value(s, "vllm:time_to_first_token_seconds_count") == total
+    ttft, duration = (_value(s, f"{name}_sum") for name in
+                      ("vllm:time_to_first_token_seconds", "tgi_request_duration"))  # fmt: skip
+    assert 0 < ttft < duration
     # Idle: no KV block in use; the pool holds only the resident adapters' pages.
     assert _value(s, "vllm:kv_cache_usage_perc") == 0
     pool = {k: _value(s, "lora_guard_cache_pool_bytes", kind=k) for k in ("kv", "adapter", "free")}

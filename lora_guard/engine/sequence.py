@@ -95,4 +95,5 @@ class Sequence:
             waited_steps=self.waited_steps,
             cache_salt=self.cache_salt,
             max_new_tokens=self.params.max_new_tokens,
+            first_token_time=self.first_token_time,
         )

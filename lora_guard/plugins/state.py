@@ -23,6 +23,7 @@ class RequestView:
     waited_steps: int
     cache_salt: str | None = None
     max_new_tokens: int = 0
+    first_token_time: float | None = None  # time.monotonic() at its first token; None before
 
 
 @dataclass(frozen=True, slots=True)
