@@ -62,31 +62,28 @@ RATIOS: dict[str, Callable[[Samples], float]] = {
 def merge_metrics(texts: Mapping[str, str]) -> str:
     """One Prometheus text for the fleet from each replica's (``replica`` -> text)."""
     families: dict[str, tuple[str, str]] = {}  # name -> (type, help)
-    summed: dict[str, Samples] = {}
-    kept: dict[str, Samples] = {}  # per replica, with its label
-    totals: Samples = {}  # every sample summed over the replicas: what the ratios read
+    summed: dict[str, Samples] = {}  # every family, summed over the replicas
+    kept: dict[str, Samples] = {}  # every family per replica, with its label
+    adds = set(SUMMED_GAUGES) | set(RATIOS)  # the families the fleet shows summed
     for replica, text in texts.items():
         for family in text_string_to_metric_families(text):
             families.setdefault(family.name, (family.type, family.documentation))
-            adds = family.type in ("counter", "histogram", "summary")
-            adds = adds or family.name in SUMMED_GAUGES or family.name in RATIOS
+            if family.type in ("counter", "histogram", "summary"):
+                adds.add(family.name)
+            rows, own = summed.setdefault(family.name, {}), kept.setdefault(family.name, {})
             for sample in family.samples:
                 if sample.name.endswith("_created"):
                     continue
                 labels = tuple(sorted(sample.labels.items()))
-                totals[sample.name, labels] = totals.get((sample.name, labels), 0.0) + sample.value
-                if adds:
-                    rows = summed.setdefault(family.name, {})
-                    rows[sample.name, labels] = rows.get((sample.name, labels), 0.0) + sample.value
-                else:
-                    labels = tuple(sorted((*labels, ("replica", replica))))
-                    kept.setdefault(family.name, {})[sample.name, labels] = sample.value
+                rows[sample.name, labels] = rows.get((sample.name, labels), 0.0) + sample.value
+                own[sample.name, tuple(sorted((*labels, ("replica", replica))))] = sample.value
+    every: Samples = {key: v for rows in summed.values() for key, v in rows.items()}
     for name, ratio in RATIOS.items():
         if name in summed:  # the replicas report it
-            summed[name] = {(name, ()): ratio(totals)}
+            summed[name] = {(name, ()): ratio(every)}
     lines = []
     for name, (kind, doc) in families.items():
-        rows = summed.get(name) or kept.get(name) or {}
+        rows = (summed if name in adds else kept)[name]
         if not rows:
             continue
         lines.append(f"# HELP {name} {_escape(doc, help_text=True)}")

@@ -22,6 +22,7 @@ from lora_guard.server.state import ServerState, state_of
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
 _IGNORED_SEEN: set[str] = set()  # fields logged once already
+_IGNORED_LOGGED = 256  # at most this many names: a client cannot grow the set without bound
 FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
 
 
@@ -52,6 +53,8 @@ def _log_ignored(body: ChatCompletionRequest | CompletionRequest) -> None:
     """Name once, at debug level, each field a request sent that neither OpenAI's nor vLLM's
     parameters here use."""
     for name in (body.model_extra or {}).keys() - _IGNORED_SEEN:
+        if len(_IGNORED_SEEN) >= _IGNORED_LOGGED:
+            return
         _IGNORED_SEEN.add(name)
         log.debug("ignoring the OpenAI request field %r (not a parameter lora-guard has)", name)
 
