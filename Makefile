@@ -1,7 +1,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: bootstrap test test-fast lint serve demo clean
+.PHONY: bootstrap test test-fast test-clients peers lint serve demo clean
 
 bootstrap:
 	@VENV=$(VENV) scripts/bootstrap.sh
@@ -12,7 +12,16 @@ test: lint
 
 ## test-fast: the suite without the demo model
 test-fast: bootstrap
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow and not clients"
+
+## peers: the field's tools, each in its own venv under $LORA_GUARD_HOME/peers (vLLM's CPU build
+## and guidellm, about 3.5 and 1.5 GB; the first time takes minutes)
+peers: bootstrap
+	$(BIN)/python -m lora_guard.bench.peer_env vllm guidellm
+
+## test-clients: vLLM's `vllm bench serve` and guidellm against a real server of the demo model
+test-clients: peers demo
+	$(BIN)/python -m pytest -m clients -rP
 
 lint: bootstrap
 	$(BIN)/ruff check lora_guard tests integration hooks

@@ -128,6 +128,8 @@ def test_openai_stream_usage_equals_the_plain_answers(
 
 
 def test_continuous_usage_counts_every_chunk_and_options_need_a_stream(server: Server) -> None:
+    """A chunk for every generated token, as vLLM streams (its text empty while a character is
+    unfinished), so a client's TTFT and inter-token times are the engine's."""
     body = {"model": "a-00", "prompt": PROMPT, "max_tokens": NEW, "temperature": 0,
             "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
@@ -137,7 +139,8 @@ def test_continuous_usage_counts_every_chunk_and_options_need_a_stream(server: S
     assert lines[-1] == "[DONE]"
     events = [json.loads(line) for line in lines[:-1]]
     counts = [e["usage"]["completion_tokens"] for e in events]
-    assert counts == sorted(counts) and counts[-1] == NEW
+    assert counts[: NEW - 1] == list(range(1, NEW))  # the last token's text may ride on the end
+    assert set(counts[NEW - 1 :]) == {NEW} and len(counts) in (NEW + 1, NEW + 2)
     assert events[-1]["choices"] == [] and events[-2]["choices"][0]["finish_reason"] == "length"
     refused = httpx.post(server.url + "/v1/completions", timeout=60,
                          json={**body, "stream": False})  # fmt: skip

@@ -50,6 +50,18 @@ HINTS: dict[str, st.SearchStrategy[Any]] = {
     "max_new_tokens": st.one_of(st.none(), st.integers(-1, 6), INTEGERS),
     "max_tokens": st.one_of(st.none(), st.integers(-1, 6), INTEGERS),
     "max_completion_tokens": st.one_of(st.none(), st.integers(-1, 6)),
+    # OpenAI's: a prompt list of one, one choice, and stream_options only with a stream; the
+    # schema alone would make these the reason for most answers
+    "prompt": st.one_of(STRINGS, STRINGS, STRINGS, st.lists(STRINGS, max_size=2)),
+    "n": st.sampled_from([None, 1, 1, 1, 2, 0, -1]),
+    "stream_options": st.one_of(
+        st.none(),
+        st.none(),
+        st.none(),
+        st.fixed_dictionaries(
+            {}, optional={"include_usage": st.booleans(), "continuous_usage_stats": st.booleans()}
+        ),
+    ),
 }
 
 

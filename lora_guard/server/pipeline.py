@@ -67,7 +67,8 @@ async def start(request: Request, ask: Ask) -> Run:
     if ask.truncate is not None and 0 < ask.truncate < len(prompt):
         prompt = prompt[-ask.truncate :]
     params = _sampling(state, len(prompt), ask.max_new_tokens, ask.sampling)
-    outputs = state.generate(prompt, params, adapter_id, tenant, openai=ask.openai)
+    arrival = getattr(request.state, "arrival", None)
+    outputs = state.generate(prompt, params, adapter_id, tenant, openai=ask.openai, arrival=arrival)
     return Run(prompt, params, await outputs.__anext__(), outputs)
 
 

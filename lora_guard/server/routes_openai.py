@@ -162,7 +162,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     async def events() -> AsyncIterator[dict[str, Any]]:
         yield chunk({"role": "assistant", "content": ""}, None)
         async for text, out in _text_deltas(run):
-            if text:
+            if text or not out.finished:
                 yield chunk({"content": text}, out)
             if out.finished:
                 yield chunk({}, out, _finish(out))
@@ -194,7 +194,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         if prefix:
             yield chunk(prefix, None)
         async for text, out in _text_deltas(run):
-            if text:
+            if text or not out.finished:
                 yield chunk(text, out)
             if out.finished:
                 yield chunk("", out, _finish(out))
@@ -205,16 +205,20 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
 
 async def _text_deltas(run: Run) -> AsyncIterator[tuple[str, RequestOutput]]:
-    """Each output with the text it adds (empty when it adds none); the last is finished."""
-    sent = ""
+    """Each output that adds tokens, with the text it adds (empty while a character or a stop
+    string is unfinished, or for a special token), and the last, finished one. A chunk for every
+    new token, as vLLM streams, so a client's time to first token is the engine's."""
+    sent, tokens = "", 0
     async for out in run.outputs():
+        if len(out.token_ids) == tokens and not out.finished:
+            continue
+        tokens = len(out.token_ids)
         # Hold back a trailing replacement character: a multi-byte character is unfinished.
         ready = out.text if out.finished else out.text.rstrip("\ufffd")
         text = ""
         if len(ready) > len(sent) and ready.startswith(sent):
             text, sent = ready[len(sent) :], ready
-        if text or out.finished:
-            yield text, out
+        yield text, out
 
 
 @router.get("/models")

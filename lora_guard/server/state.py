@@ -54,16 +54,20 @@ class ServerState:
         tenant_id: str,
         *,
         openai: bool = False,
+        arrival: float | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs for one request; failures become :class:`APIError` (the engine's
-        own through :data:`ENGINE_ERRORS`, answered as the OpenAI routes do when ``openai``)."""
+        own through :data:`ENGINE_ERRORS`, answered as the OpenAI routes do when ``openai``).
+        ``arrival`` is when the server received it (``time.monotonic()``), if known."""
         if not self.engine.is_alive:
             raise unavailable("the engine is not running")
         if self.in_flight >= self.limits.max_concurrent_requests:
             raise overloaded("Model is overloaded", 1.0)
         self.in_flight += 1
         try:
-            stream = self.engine.generate(prompt, params, adapter_id, tenant_id=tenant_id)
+            stream = self.engine.generate(
+                prompt, params, adapter_id, tenant_id=tenant_id, arrival_time=arrival
+            )
             try:
                 async for out in stream:
                     if out.error is not None:

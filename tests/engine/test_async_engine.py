@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,3 +77,31 @@ def test_bad_request_raises_before_any_output(engine: AsyncEngine) -> None:
 
     with pytest.raises(UnknownAdapterError, match="not known"):  # raised on the engine thread
         asyncio.run(bad())
+
+
+def test_time_to_first_token_counts_from_the_callers_arrival(engine: AsyncEngine) -> None:
+    """A server hands the engine the time a request reached it: TTFT on /metrics counts from
+    there, not from when the loop thread took the request."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from lora_guard.metrics import metrics_of
+
+    plugin = metrics_of(engine.engine.hooks.pm)
+    assert plugin is not None
+
+    def ttft_sum() -> float:
+        text = plugin.render().decode()
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "vllm:time_to_first_token_seconds_sum")  # fmt: skip
+
+    async def one(arrival: float | None) -> None:
+        params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+        async for _ in engine.generate("Waited at the door", params, arrival_time=arrival):
+            pass
+
+    before = ttft_sum()
+    asyncio.run(one(None))
+    now = ttft_sum()
+    assert 0 < now - before < 1.0
+    asyncio.run(one(time.monotonic() - 5.0))
+    assert 5.0 <= ttft_sum() - now < 6.0

