@@ -45,9 +45,11 @@ class Row:
     engine_base_step_ms: float
     engine_mixed_step_ms: float
     engine_mixed_tokens_per_s: float
+    engine_mixed_prefill_ms: float  # the batch's prompts, until every request decodes
     peft_base_step_ms: float
     peft_mixed_step_ms: float
     peft_mixed_tokens_per_s: float
+    peft_mixed_prefill_ms: float  # generate() of one new token: the prompts' prefill
     over_floor_runs: tuple[float, ...] = ()  # each run's mixed / floor (``--repeats``)
     speedup_runs: tuple[float, ...] = ()  # each run's engine / PEFT tokens/s
 
@@ -97,14 +99,16 @@ def _prompts(tokenizer: Any, batch: int) -> list[list[int]]:
 
 def engine_run(
     llm: LLM, prompts: list[list[int]], adapters: list[str | None], new_tokens: int
-) -> tuple[float, float]:
-    """Median decode step time (ms) and generated tokens per second for one batch."""
+) -> tuple[float, float, float]:
+    """Median decode step time (ms), generated tokens per second and the prefill's time (ms:
+    the steps before every request decodes) for one batch."""
     engine = llm.engine
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     tag = time.perf_counter_ns()
     for i, (prompt, adapter) in enumerate(zip(prompts, adapters, strict=True)):
         engine.add_request(f"bench-{tag}-{i}", prompt, params, adapter)
     decode_steps: list[float] = []
+    prefill = 0.0
     started = time.perf_counter()
     while engine.has_unfinished_requests():
         step_started = time.perf_counter()
@@ -115,17 +119,20 @@ def engine_run(
         running = engine.scheduler.running
         if running and len(running) == len(prompts) and computed_before > 0:
             decode_steps.append(elapsed)
+        elif not decode_steps:
+            prefill += elapsed
     total = time.perf_counter() - started
     if not decode_steps:
         raise SystemExit(f"no step decoded all {len(prompts)} requests at once: "
                          f"raise --new-tokens (now {new_tokens})")  # fmt: skip
-    return statistics.median(decode_steps) * 1000, len(prompts) * new_tokens / total
+    return statistics.median(decode_steps) * 1000, len(prompts) * new_tokens / total, prefill * 1000
 
 
 def peft_run(
     model: Any, prompts: list[list[int]], adapters: list[str], new_tokens: int, pad_id: int
-) -> tuple[float, float]:
-    """Decode step time (ms) and tokens/s of transformers + PEFT ``generate`` on the batch."""
+) -> tuple[float, float, float]:
+    """Decode step time (ms), tokens/s and prefill time (ms) of transformers + PEFT ``generate``
+    on the batch."""
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -142,7 +149,8 @@ def peft_run(
     generate(2)  # warm-up: kernels made for these shapes on first use are not a step's cost
     first = generate(1)
     full = generate(new_tokens)
-    return (full - first) / (new_tokens - 1) * 1000, len(prompts) * new_tokens / full
+    decode_ms = (full - first) / (new_tokens - 1) * 1000
+    return decode_ms, len(prompts) * new_tokens / full, first * 1000
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weight-layout", default="auto", choices=("auto", "blocked", "plain"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip-peft", action="store_true", help="engine figures only")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="let the engine reuse the KV of prompts it saw before (its warm-up, "
+                        "earlier runs); off by default: PEFT computes every prompt")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each batch, the engine and PEFT in turn; medians printed, "
                         "and the ratios' ranges")  # fmt: skip
@@ -204,7 +215,7 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
     batches = [int(b) for b in args.batches.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    nan = (float("nan"),) * 3
+    nan = (float("nan"),) * 4
     runs: dict[int, list[Row]] = {b: [] for b in batches}
     # The engine and PEFT in turn, each freed before the other is built (in one process, one
     # slows the other down): a drift of the machine's speed reaches both.
@@ -223,6 +234,7 @@ def _bench(args: argparse.Namespace) -> int:
             "weight_layout": args.weight_layout,
             "lora_compute": args.lora_compute, "matmul_peak_gflops": peak,
             "adapters": names, "new_tokens": args.new_tokens, "repeats": args.repeats,
+            "prefix_caching": args.prefix_caching,
             "rows": [asdict(r) | {"mixed_over_base": r.mixed_over_base, "over_floor": r.over_floor,
                                   "speedup_over_peft": r.speedup_over_peft} for r in rows],
         }, indent=2) + "\n")  # fmt: skip
@@ -231,12 +243,14 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _engine_figures(
     args: argparse.Namespace, names: list[str], batches: list[int], tokenizer: Any
-) -> dict[int, tuple[float, float, float, float]]:
-    """Per batch: the bytes floor, the engine's base and mixed step ms, its mixed tokens/s."""
+) -> dict[int, tuple[float, float, float, float, float]]:
+    """Per batch: the bytes floor, the engine's base and mixed step ms, its mixed tokens/s and
+    prefill ms."""
     llm = LLM(args.model, adapters={n: args.adapter_dir / n for n in names},
               max_loras=len(names), cache_memory="1GiB", dtype=args.dtype, device=args.device,
               max_num_seqs=max(batches), lora_compute=args.lora_compute,
-              weight_layout=args.weight_layout, lora_dtype=args.lora_dtype)  # fmt: skip
+              weight_layout=args.weight_layout, lora_dtype=args.lora_dtype,
+              enable_prefix_caching=args.prefix_caching)  # fmt: skip
     engine = llm.engine
     base_bytes = engine.model.step_bytes()
     adapter_bytes = {
@@ -254,11 +268,12 @@ def _engine_figures(
         for _ in range(TURNS):
             base.append(engine_run(llm, prompts, [None] * batch, args.new_tokens))
             mixed_runs.append(engine_run(llm, prompts, list(mixed), args.new_tokens))
-        base_ms = statistics.median(ms for ms, _ in base)
-        mixed_ms = statistics.median(ms for ms, _ in mixed_runs)
-        mixed_tps = statistics.median(tps for _, tps in mixed_runs)
+        base_ms = statistics.median(ms for ms, _, _ in base)
+        mixed_ms = statistics.median(ms for ms, _, _ in mixed_runs)
+        mixed_tps = statistics.median(tps for _, tps, _ in mixed_runs)
+        prefill_ms = statistics.median(ms for _, _, ms in mixed_runs)
         floor = (base_bytes + sum(adapter_bytes[n] for n in set(mixed))) / base_bytes
-        figures[batch] = (floor, base_ms, mixed_ms, mixed_tps)
+        figures[batch] = (floor, base_ms, mixed_ms, mixed_tps, prefill_ms)
     engine.shutdown()
     del llm, engine
     gc.collect()
@@ -267,8 +282,9 @@ def _engine_figures(
 
 def _peft_figures(
     args: argparse.Namespace, names: list[str], batches: list[int], tokenizer: Any
-) -> dict[int, tuple[float, float, float]]:
-    """Per batch: transformers + PEFT's base and mixed step ms, its mixed tokens/s."""
+) -> dict[int, tuple[float, float, float, float]]:
+    """Per batch: transformers + PEFT's base and mixed step ms, its mixed tokens/s and prefill
+    ms."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -284,7 +300,7 @@ def _peft_figures(
     for batch in batches:
         prompts = _prompts(tokenizer, batch)
         mixed = [names[i % len(names)] for i in range(batch)]
-        base_ms, _ = peft_run(model, prompts, ["__base__"] * batch, args.new_tokens, pad)
+        base_ms, _, _ = peft_run(model, prompts, ["__base__"] * batch, args.new_tokens, pad)
         figures[batch] = (base_ms, *peft_run(model, prompts, mixed, args.new_tokens, pad))
     del model, base
     gc.collect()
@@ -307,19 +323,23 @@ def _print(rows: list[Row], peak: float, args: argparse.Namespace, names: list[s
           f"{args.weight_layout}, LoRA compute "
           f"{args.lora_compute}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; matmul peak {peak:.0f} GFLOP/s")  # fmt: skip
+    caching = "on (prompts seen before are cached)" if args.prefix_caching else "off"
     print(f"mixed batches cycle over {len(names)} adapters: {', '.join(names)}; "
-          f"{args.new_tokens} new tokens per request\n")  # fmt: skip
+          f"{args.new_tokens} new tokens per request; the engine's prefix caching "
+          f"{caching}\n")  # fmt: skip
     print("| batch | engine base step ms | engine mixed step ms | mixed / base | bytes floor "
           "| mixed / floor | PEFT base step ms | PEFT mixed step ms | engine mixed tok/s "
-          "| PEFT mixed tok/s | engine / PEFT tok/s |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| PEFT mixed tok/s | engine / PEFT tok/s | engine prefill ms "
+          "| PEFT prefill ms |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r.batch} | {r.engine_base_step_ms:.1f} | {r.engine_mixed_step_ms:.1f} "
               f"| {r.mixed_over_base:.2f}x | {r.bytes_floor:.2f}x | {r.over_floor:.2f}x "
               f"| {r.peft_base_step_ms:.1f} "
               f"| {r.peft_mixed_step_ms:.1f} "
               f"| {r.engine_mixed_tokens_per_s:.1f} | {r.peft_mixed_tokens_per_s:.1f} "
-              f"| {r.speedup_over_peft:.2f}x |")  # fmt: skip
+              f"| {r.speedup_over_peft:.2f}x | {r.engine_mixed_prefill_ms:.0f} "
+              f"| {r.peft_mixed_prefill_ms:.0f} |")  # fmt: skip
     if args.repeats > 1:
         print(f"\nmedians of {args.repeats} runs; each run's ratios:")
         for r in rows:

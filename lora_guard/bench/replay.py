@@ -66,6 +66,8 @@ class SchemeRun:
     binds: list[Bind] = field(default_factory=list)  # in the order the needs began
     steps: list[StepRecord] = field(default_factory=list)  # the engine's, during the replay
     start_resident: tuple[str, ...] = ()  # adapters in the pool when the replay began
+    peer: dict[str, Any] | None = None  # a peer's command line, environment and log
+    evictions: int | None = None  # adapters it evicted (None: a peer, which does not say)
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,7 @@ def replay_scheme(
         trace = [_served_by(r, static_adapter) for r in trace]
     _warm_up(llm, trace)
     swaps_before = len(engine.adapters.stats.swap_ms)
+    evictions_before = engine.adapters.stats.evictions
     conflicts_before = engine.blocks.stats.conflicts
     cold_before = _cold_load_counts(engine)
     merged = engine.adapters.merged
@@ -172,6 +175,7 @@ def replay_scheme(
         scheme=scheme,
         records=records,
         swap_ms=list(engine.adapters.stats.swap_ms[swaps_before:]),
+        evictions=engine.adapters.stats.evictions - evictions_before,
         lookups=recorder.lookups,
         # with no seat cap, the most adapters it ever held at once bounds its hits just as well
         slots=1

@@ -85,6 +85,7 @@ def summarize(
         "peak_rss_ratio": _ratio(run.peak_rss or 0, static.peak_rss or 0 if static else 0),
         "memory_mib": {k: v / MIB for k, v in run.memory.items()},
         "swaps": len(run.swap_ms),
+        "evictions": run.evictions,
         "swap_ms_p50": percentile(run.swap_ms, 50),
         "swap_ms_p95": percentile(run.swap_ms, 95),
         "adapter_wait_ms_p50": percentile(waits, 50),
@@ -136,8 +137,8 @@ def step_summary(run: SchemeRun) -> dict[str, Any] | None:
 
 
 # Counts add up over seeds; every other figure is the median of the seeds' figures.
-_SUMMED = frozenset({"requests", "completed", "failed", "retries", "swaps", "generated_tokens",
-                     "kv_conflicts", "oracle_mismatches"})  # fmt: skip
+_SUMMED = frozenset({"requests", "completed", "failed", "retries", "swaps", "evictions",
+                     "generated_tokens", "kv_conflicts", "oracle_mismatches"})  # fmt: skip
 
 
 def aggregate(per_seed: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:

@@ -47,6 +47,7 @@ from lora_guard.bench.replay import (
 from lora_guard.bench.report import aggregate, markdown_table, summarize
 from lora_guard.bench.stats import median
 from lora_guard.bench.target import replay_target
+from lora_guard.bench.vllm_peer import peer_python, replay_vllm
 from lora_guard.bench.workload import (
     TraceError,
     TraceRequest,
@@ -108,6 +109,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 "order": part.order,
                 "workload": _workload(part.trace),
                 "schemes": one,
+                # how each peer was started (command line, environment) and its log
+                "peers": {name: run.peer for name, run in part.runs.items() if run.peer},
             }
             for part, one in zip(bench.parts, per_seed, strict=True)
         ],
@@ -116,6 +119,13 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
+        for part in bench.parts:  # each peer's log beside the JSON too, to read as it was
+            for name, run in part.runs.items():
+                if run.peer:
+                    log = args.json.with_name(
+                        f"{args.json.stem}.{name}-{part.seed}-{part.turn}.log"
+                    )
+                    log.write_text(run.peer["log"])
     if args.plots:
         from lora_guard.bench.plots import write_plots
 
@@ -198,6 +208,9 @@ def _in_process(
         spec = replace(spec, rate=args.rate)
     parts: list[SeedRun] = []
     engine: dict[str, Any] = {}
+    peers: dict[str, Path] = {}  # a peer's name: the interpreter that runs it
+    if args.peer == "vllm":
+        peers["vllm"] = peer_python(args.peer_python, log=lambda msg: _progress(started, msg))
     for seed in _seeds(args):
         trace = _trace(args, spec if seed is None else replace(spec, seed=seed), ids, seed)
         used = {r.adapter_id for r in trace if r.adapter_id}
@@ -211,25 +224,22 @@ def _in_process(
                            f"{static_id}")  # fmt: skip
         turns: list[SeedRun] = []
         for turn in range(args.turns):
-            order = replay_order(schemes, len(parts) + turn)
+            # the peer takes its turn in the rotation like every scheme
+            order = replay_order([*schemes, *peers], len(parts) + turn)
             which = f"{what}turn {turn + 1} of {args.turns}: " if args.turns > 1 else what
             runs: dict[str, SchemeRun] = {}
             for scheme in order:
                 _progress(started, f"{which}replaying {len(trace)} requests on {scheme}")
                 if scheme == "peft":
                     runs[scheme] = _call(isolated, replay_peft, trace, seed_options)
+                elif scheme == "vllm":
+                    runs[scheme] = replay_vllm(trace, seed_options, peers["vllm"],
+                                               args.peer_port, scratch / "vllm.log")  # fmt: skip
                 else:
                     runs[scheme] = _call(
                         isolated, replay_scheme, scheme, trace, seed_options, static_id
                     )
-            if args.peer == "vllm":
-                from lora_guard.bench.vllm_peer import peer_python, replay_vllm
-
-                python = peer_python(args.peer_python, log=lambda msg: _progress(started, msg))
-                _progress(started, f"{which}replaying {len(trace)} requests on vLLM ({python})")
-                runs["vllm"] = replay_vllm(trace, seed_options, python, args.peer_port,
-                                           scratch / "vllm.log")  # fmt: skip
-            runs = {name: runs[name] for name in [*schemes, "vllm"] if name in runs}
+            runs = {name: runs[name] for name in [*schemes, *peers]}
             turns.append(SeedRun(seed, trace, runs, {}, turn, order))
         _progress(started, f"{what}computing the oracle")
         mismatches = _oracle_mismatches([t.runs for t in turns], trace, seed_options, static_id,

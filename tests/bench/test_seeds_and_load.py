@@ -69,9 +69,49 @@ def test_each_replay_rotates_the_schemes_so_none_always_goes_first() -> None:
 
 
 def test_the_hit_rate_is_held_against_its_own_bound() -> None:
-    seeds = [{"lora-guard": _scheme(hit_rate=0.45, hit_rate_bound=0.5)}]
+    seeds = [{"lora-guard": _scheme(hit_rate=0.45, hit_rate_bound=0.5, evictions=3)}]
     figure = compass(seeds)["hit rate vs its bound"]
     assert figure["value"] == pytest.approx(0.9) and figure["met"]
+
+
+def test_a_run_set_built_to_miss_prints_missed_on_every_target() -> None:
+    """Each target that can be judged fails a run set made to fail it: none is met by default."""
+    static = _scheme(tail_tokens_per_s=10.0, ttft_p95_ms=100.0, peak_rss_mib=1000.0,
+                     peak_memory_mib=500.0)  # fmt: skip
+    bad = _scheme(tail_tokens_per_s=5.0, ttft_p95_ms=500.0, peak_rss_mib=1200.0,
+                  peak_memory_mib=500.0, hit_rate=0.2, hit_rate_bound=0.8, evictions=9)  # fmt: skip
+    clean = bad | {"hit_rate": 0.8}
+    # one run of three breaks the zero-tolerance counts: a median of (0, 1, 0) would say 0
+    broken = clean | {"kv_conflicts": 1, "oracle_mismatches": 2}
+    runs = [{"static": static, "lora-guard": one} for one in (broken, bad, bad)]
+    found = compass(runs)
+    judged = ["tail tok/s vs static", "TTFT p95 vs static", "peak RSS vs static",
+              "hit rate vs its bound", "kv conflicts", "oracle mismatches"]  # fmt: skip
+    assert {name: found[name]["met"] for name in judged} == dict.fromkeys(judged, False)
+    assert found["kv conflicts"]["value"] == 1 and found["oracle mismatches"]["value"] == 2
+    assert found["peak RSS vs static"]["value"] == pytest.approx(1.2)
+    lines = compass_lines(found, seeds=3)
+    for name in judged:
+        assert any(line.startswith(f"lora-guard {name}:") and line.endswith(": missed")
+                   for line in lines), name  # fmt: skip
+
+
+def test_targets_a_run_set_cannot_tell_say_why_instead_of_met() -> None:
+    same = _scheme(tokens_per_s=40.0, peak_memory_mib=500.0, hit_rate=1.0, hit_rate_bound=1.0,
+                   evictions=0)  # fmt: skip
+    peer = _scheme(tokens_per_s=4.0)
+    found = compass([{"static": same, "lora-guard": same, "peft": peer, "vllm": peer}])
+    hit = found["hit rate vs its bound"]
+    assert hit["met"] is None and "evicted no adapter" in hit["note"]
+    for name in ("tok/s vs peft", "tok/s vs vllm"):  # 10x, but a makespan is no capacity
+        assert found[name]["value"] == 10 and found[name]["met"] is None
+        assert "capacity" in found[name]["note"]
+    assert found["pool memory vs static"]["met"] is None  # the same pool for all: reported only
+    lines = compass_lines(found, seeds=1)
+    assert not any(
+        line.endswith(": met") for line in lines if "hit rate" in line or "tok/s" in line
+    )
+    assert "lora-guard pool memory vs static: 1, target reported: reported" in lines
 
 
 def test_the_load_sets_the_mean_arrival_rate_to_a_share_of_capacity() -> None:

@@ -1,0 +1,40 @@
+"""vLLM started as its CPU documentation asks: compute threads on every core lora-guard gets, no
+core held back, the engine's KV space to the byte, tcmalloc when the machine has it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lora_guard.bench.replay import EngineOptions
+from lora_guard.bench.vllm_peer import cpu_list, vllm_launch
+from lora_guard.engine.config import parse_memory
+
+OPTIONS = EngineOptions(model="/models/m", adapter_dir="/adapters", max_loras=4,
+                        kv_cache_memory="768MiB", dtype="bfloat16")  # fmt: skip
+
+
+def flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def test_the_launch_binds_every_core_and_gives_our_kv_space() -> None:
+    launch = vllm_launch(Path("/venv/bin/python"), OPTIONS, ["a", "b"], 8701, cores={0, 1})
+    assert launch.environment["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert launch.environment["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert int(flag(launch.command, "--kv-cache-memory-bytes")) == parse_memory("768MiB")
+    assert flag(launch.command, "--dtype") == "bfloat16"  # each side in the same dtype
+    assert flag(launch.command, "--max-loras") == "4"
+    assert launch.command[-2:] == ["a=/adapters/a", "b=/adapters/b"]
+    assert launch.as_json() == {"command": launch.command, "environment": launch.environment}
+
+
+def test_tcmalloc_is_preloaded_when_the_machine_has_it(tmp_path: Path) -> None:
+    library = tmp_path / "libtcmalloc_minimal.so.4"
+    with_it = vllm_launch(Path("python"), OPTIONS, [], 8701, cores={0}, tcmalloc=library)
+    assert with_it.environment["LD_PRELOAD"] == str(library)
+    assert "--enable-lora" not in with_it.command  # no adapters: the base model alone
+
+
+def test_cpu_lists_are_written_as_linux_writes_them() -> None:
+    assert cpu_list({0}) == "0"
+    assert cpu_list({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
