@@ -29,6 +29,7 @@ import httpx
 from lora_guard.bench.peer_env import PEERS, PeerError
 from lora_guard.bench.replay import EngineOptions, RequestRecord, SchemeRun
 from lora_guard.bench.workload import TraceRequest
+from lora_guard.paths import lora_guard_home
 
 BASE_NAME = "base"
 _START_TIMEOUT_S = 600
@@ -91,7 +92,7 @@ def replay_vllm(
         peak_rss=peak or None,
         duration_s=duration,
         served=[r.adapter_id for r in trace],
-        peer=launch.as_json() | {"log": log_file.read_text(errors="replace")},
+        peer=launch.as_json() | {"log": shared(log_file.read_text(errors="replace"))},
     )
 
 
@@ -114,7 +115,15 @@ class VllmLaunch:
     environment: dict[str, str]  # what the bench sets, on top of its own environment
 
     def as_json(self) -> dict[str, Any]:
-        return {"command": self.command, "environment": self.environment}
+        """The command and environment as a report shows them: under ``$LORA_GUARD_HOME``, paths
+        are written from there (the report is meant to be shared)."""
+        return {"command": [shared(a) for a in self.command],
+                "environment": {k: shared(v) for k, v in self.environment.items()}}  # fmt: skip
+
+
+def shared(text: str) -> str:
+    """``text`` with this machine's ``$LORA_GUARD_HOME`` written as the variable."""
+    return text.replace(str(lora_guard_home()), "$LORA_GUARD_HOME")
 
 
 def vllm_launch(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from lora_guard.bench.replay import EngineOptions
 from lora_guard.bench.vllm_peer import cpu_list, vllm_launch
 from lora_guard.engine.config import parse_memory
@@ -38,3 +40,14 @@ def test_tcmalloc_is_preloaded_when_the_machine_has_it(tmp_path: Path) -> None:
 def test_cpu_lists_are_written_as_linux_writes_them() -> None:
     assert cpu_list({0}) == "0"
     assert cpu_list({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
+
+
+def test_the_report_writes_paths_under_the_home_as_the_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LORA_GUARD_HOME", str(tmp_path))
+    options = EngineOptions(model=str(tmp_path / "demo" / "model"), adapter_dir="/elsewhere")
+    shown = vllm_launch(Path("python"), options, ["a"], 8701, cores={0}).as_json()
+    assert "$LORA_GUARD_HOME/demo/model" in shown["command"]
+    assert "a=/elsewhere/a" in shown["command"]  # a path outside it stays as given
+    assert not any(str(tmp_path) in arg for arg in shown["command"])
