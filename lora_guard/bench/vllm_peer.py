@@ -58,7 +58,7 @@ def replay_vllm(
     server = _start(launch, log_file)
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_ready(server, url, log_file)
+        wait_ready(server, url, log_file)
         _warm_up(url, adapters, encode_text(tokenizer, "Warm-up."))
         prompts = {r.id: encode_text(tokenizer, r.prompt) for r in trace}
         records = {r.id: RequestRecord(r.id, r.adapter_id, r.time) for r in trace}
@@ -189,19 +189,21 @@ def _start(launch: VllmLaunch, log_file: Path) -> subprocess.Popen[bytes]:
                                 start_new_session=True)  # fmt: skip
 
 
-def _wait_ready(server: subprocess.Popen[bytes], url: str, log_file: Path) -> None:
+def wait_ready(server: subprocess.Popen[bytes], url: str, log_file: Path) -> None:
+    """Until ``url``'s /health answers 200; raises :class:`PeerError` with the log's tail if the
+    server exits first, or after ``_START_TIMEOUT_S``."""
     deadline = time.monotonic() + _START_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.poll() is not None:
             tail = "\n".join(log_file.read_text(errors="replace").splitlines()[-15:])
-            raise PeerError(f"vLLM exited with {server.returncode} while starting:\n{tail}")
+            raise PeerError(f"the server exited with {server.returncode} while starting:\n{tail}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    raise PeerError(f"vLLM was not ready after {_START_TIMEOUT_S} s (log: {log_file})")
+    raise PeerError(f"the server was not ready after {_START_TIMEOUT_S} s (log: {log_file})")
 
 
 def _warm_up(url: str, adapters: list[str], prompt: list[int]) -> None:
