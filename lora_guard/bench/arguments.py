@@ -127,8 +127,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--peer-python", type=Path, help="an interpreter that has vLLM, instead of that venv")
     add("--peer-port", type=int, default=8701, help="loopback port for the peer")
+    add(
+        "--sweep",
+        type=_clients,
+        metavar="N,N,...",
+        help="measure capacity instead of replaying: each of --systems behind its own HTTP "
+        "server, a closed loop of N clients on the trace for each N (until past the knee), then "
+        "the trace at --matched-load of the smallest capacity (docs/benchmarks.md)",
+    )
+    add(
+        "--systems",
+        default="lora-guard,peft,vllm",
+        help="the servers --sweep measures, from: lora-guard, peft, vllm, llama.cpp",
+    )
+    add(
+        "--matched-load",
+        type=float,
+        default=0.5,
+        help="--sweep's open-loop run: arrivals at this share of the smallest saturated rate",
+    )
+    add(
+        "--base-share",
+        type=float,
+        default=0.0,
+        help="share of the trace's requests for the base model (1: no adapter at all)",
+    )
     add("--json", type=Path, metavar="FILE", help="write the report as JSON")
     add("--plots", type=Path, metavar="DIR", help="write PNG plots (needs matplotlib)")
+
+
+def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
+    """The trace the flags ask for (its rate is set later: by --rate, or by --load)."""
+    return WorkloadSpec(
+        adapters=args.adapters, tenants=args.tenants, requests=args.requests,
+        zipf=args.zipf, output_mean=args.output_mean, scenario=args.scenario,
+        system_prompt_words=args.system_prompt_words, user_words_mean=args.user_words,
+        base_share=args.base_share,
+    )  # fmt: skip
 
 
 def _positive(text: str) -> int:
@@ -139,6 +174,16 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
     return value
+
+
+def _clients(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected client counts such as 1,2,4,8, got {text!r}")
+    return counts
 
 
 def _seeds(text: str) -> list[int]:

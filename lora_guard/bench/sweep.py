@@ -1,0 +1,325 @@
+"""``lora-guard bench --sweep 1,2,4,8,16,32``: how much each system serves, each behind its own
+HTTP server, measured by the same client (:mod:`lora_guard.bench.load`).
+
+For each system in ``--systems`` (lora-guard, peft, vllm, llama.cpp), one after another: start its
+server, warm it (one short request per adapter), then a closed loop of N clients on the trace for
+each N of the sweep, until past the knee (two N in a row that add under 5% to the best). The
+saturated throughput is the best N's. Then, with every system's capacity known, each is started
+again and the trace arrives open-loop at ``--matched-load`` of the smallest capacity: the latency
+each gives at the same load, below every system's knee.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from lora_guard.bench.arguments import workload_spec
+from lora_guard.bench.load import Body, Reply, busy_throughput, closed_loop, open_loop
+from lora_guard.bench.peer_env import PeerError
+from lora_guard.bench.replay import EngineOptions
+from lora_guard.bench.servers import (
+    ServerLaunch,
+    shared,
+    start_server,
+    stop_server,
+    tree_rss,
+    wait_ready,
+)
+from lora_guard.bench.stats import percentile
+from lora_guard.bench.workload import TraceRequest, WorkloadSpec, make_trace, mean_rate
+
+SYSTEMS = ("lora-guard", "peft", "vllm", "llama.cpp")
+KNEE_GAIN = 1.05  # a point that adds less than this to the best so far is past the knee
+PAST_KNEE = 2  # such points in a row end a system's sweep
+# What lora-guard's saturated throughput is held against (issue-stated targets).
+THROUGHPUT_TARGETS = {"vllm": 3.0, "peft": 3.0, "llama.cpp": 2.0}
+LATENCY_TARGET = 0.5  # lora-guard's TTFT p95 at matched load, at most this share of each peer's
+
+
+@dataclass(frozen=True)
+class System:
+    """A server the sweep measures: how to start it and what each request tells it."""
+
+    name: str
+    launch: ServerLaunch
+    body: Body  # the request's adapter, as this server names it
+
+
+@dataclass(frozen=True)
+class Point:
+    """One closed loop (or, with ``clients`` 0, the open-loop run at matched load)."""
+
+    clients: int
+    requests: int
+    completed: int
+    short: int  # completed with fewer tokens than asked
+    tokens_per_s: float  # while every client was busy (closed loop), else over the whole run
+    requests_per_s: float
+    busy_s: float
+    ttft_p50_ms: float | None
+    ttft_p95_ms: float | None
+    e2e_p95_ms: float | None
+
+
+def measure(replies: list[Reply], trace: list[TraceRequest], clients: int) -> Point:
+    asked = {r.id: r.max_new_tokens for r in trace}
+    done = [r for r in replies if r.error is None and r.finish is not None]
+    ttft = [(r.first_token - r.sent) * 1000 for r in done if r.first_token is not None]
+    e2e = [(r.finish - r.sent) * 1000 for r in done if r.finish is not None]
+    if clients:
+        tokens_per_s, busy = busy_throughput(replies, clients)
+    else:
+        busy = max((r.finish or 0.0) for r in replies) if replies else 0.0
+        tokens_per_s = sum(r.tokens for r in done) / busy if busy else 0.0
+    mean_tokens = sum(r.tokens for r in done) / len(done) if done else 0.0
+    return Point(
+        clients=clients, requests=len(trace), completed=len(done),
+        short=sum(1 for r in done if r.tokens < asked[r.id]),
+        tokens_per_s=tokens_per_s,
+        requests_per_s=tokens_per_s / mean_tokens if mean_tokens else 0.0,
+        busy_s=busy, ttft_p50_ms=percentile(ttft, 50), ttft_p95_ms=percentile(ttft, 95),
+        e2e_p95_ms=percentile(e2e, 95),
+    )  # fmt: skip
+
+
+def past_knee(points: Sequence[Point]) -> bool:
+    """The last :data:`PAST_KNEE` points each added under :data:`KNEE_GAIN` to the best before."""
+    if len(points) <= PAST_KNEE:
+        return False
+    for i in range(len(points) - PAST_KNEE, len(points)):
+        if points[i].tokens_per_s >= KNEE_GAIN * max(p.tokens_per_s for p in points[:i]):
+            return False
+    return True
+
+
+def saturated(points: Sequence[Point]) -> Point:
+    return max(points, key=lambda p: p.tokens_per_s)
+
+
+def sweep_trace(
+    spec: WorkloadSpec, adapters: list[str], clients: int, least: int
+) -> list[TraceRequest]:
+    """The trace's first ``max(least, 3 x clients)`` requests: each client gets a few turns."""
+    return make_trace(replace(spec, requests=max(least, 3 * clients)), adapters)
+
+
+def run_system(
+    system: System,
+    log_file: Path,
+    runs: list[tuple[int, list[TraceRequest]]],
+    progress: Callable[[str], None],
+) -> tuple[list[Point], int]:
+    """Start ``system``, then for each (clients, trace) of ``runs``: -1 warms it (one client,
+    not measured), 0 sends the trace open-loop, N > 0 runs a closed loop of N clients; stop it.
+    Returns the points and the server's peak RSS (its processes summed)."""
+    server = start_server(system.launch, log_file)
+    points: list[Point] = []
+    peak = 0
+    try:
+        url = f"http://127.0.0.1:{_port(system.launch)}"
+        wait_ready(server, url, log_file)
+        for clients, trace in runs:
+            if clients < 0:  # the warm-up
+                closed_loop(url, trace, 1, system.body)
+                continue
+            started = time.monotonic()
+            if clients:
+                replies = closed_loop(url, trace, clients, system.body)
+            else:
+                replies = open_loop(url, trace, system.body)
+            point = measure(replies, trace, clients)
+            peak = max(peak, tree_rss(server.pid))
+            points.append(point)
+            failed = [r.error for r in replies if r.error is not None]
+            what = f"N={clients}" if clients else "matched load"
+            progress(f"{system.name} {what}: {point.tokens_per_s:.1f} tok/s, TTFT p50 "
+                     f"{_ms(point.ttft_p50_ms)} p95 {_ms(point.ttft_p95_ms)}, "
+                     f"{point.completed}/{point.requests} done "
+                     f"({time.monotonic() - started:.0f} s)")  # fmt: skip
+            if failed:
+                raise PeerError(f"{system.name}: {len(failed)} requests failed, e.g. {failed[0]}")
+            if clients and past_knee([p for p in points if p.clients]):
+                break
+    finally:
+        stop_server(server)
+    return points, peak
+
+
+def _port(launch: ServerLaunch) -> int:
+    return int(launch.command[launch.command.index("--port") + 1])
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from lora_guard.bench.systems import make_system
+
+    started = time.monotonic()
+
+    def progress(what: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not systems:
+        print(f"error: unknown system {unknown[0] if unknown else ''!r}; choose from "
+              f"{', '.join(SYSTEMS)}", file=sys.stderr)  # fmt: skip
+        return 2
+    sweep = sorted(set(args.sweep))
+    from lora_guard.demo import prepare_demo
+
+    demo = prepare_demo(log=progress)
+    model = args.model or demo.model_dir
+    adapter_dir = args.adapter_dir or demo.adapter_dir
+    spec = replace(workload_spec(args), seed=(args.seeds or [0])[0])
+    from lora_guard.bench.replay import adapter_ids
+
+    adapters = adapter_ids(adapter_dir)[: args.adapters]
+    options = EngineOptions(
+        model=str(model), adapter_dir=str(adapter_dir), max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank, kv_cache_memory=args.kv_cache_memory,
+        dtype=args.dtype, max_num_seqs=max(64, max(sweep)),
+    )  # fmt: skip
+    warm = [
+        TraceRequest(f"warm-{a}", 0.0, "t0", a, "Warm-up.", 2) for a in [None, *adapters]
+    ]  # fmt: skip
+    report: dict[str, Any] = {"command": "lora-guard " + " ".join(argv), "regime": _regime(args),
+                              "workload": asdict(spec), "systems": {}}  # fmt: skip
+    logs: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="lora-guard-sweep-") as scratch:
+        try:
+            made = {name: make_system(name, options, adapters, args.peer_port + i, progress)
+                    for i, name in enumerate(systems)}  # fmt: skip
+            for name, system in made.items():
+                progress(f"{name}: sweeping N = {', '.join(map(str, sweep))}")
+                runs = [(-1, warm)] + [
+                    (n, sweep_trace(spec, adapters, n, args.requests)) for n in sweep
+                ]
+                log = Path(scratch) / f"{name}.log"
+                points, peak = run_system(system, log, runs, progress)
+                logs[f"{name}-sweep"] = shared(log.read_text(errors="replace"))
+                report["systems"][name] = {
+                    "launch": system.launch.as_json(), "points": [asdict(p) for p in points],
+                    "saturated": asdict(saturated(points)), "peak_rss": peak,
+                }  # fmt: skip
+            capacity = min(s["saturated"]["requests_per_s"] for s in report["systems"].values())
+            rate = args.matched_load * capacity
+            matched = make_trace(replace(spec, requests=args.requests,
+                                         rate=rate / (mean_rate(spec) / spec.rate)),
+                                 adapters)  # fmt: skip
+            report["matched"] = {"load": args.matched_load, "of_requests_per_s": capacity,
+                                 "requests_per_s": rate, "requests": len(matched)}  # fmt: skip
+            for name, system in made.items():
+                progress(f"{name}: the trace at {rate:.2f} requests/s (matched load)")
+                log = Path(scratch) / f"{name}-matched.log"
+                points, _ = run_system(system, log, [(-1, warm), (0, matched)], progress)
+                logs[f"{name}-matched"] = shared(log.read_text(errors="replace"))
+                report["systems"][name]["matched"] = asdict(points[0])
+        except (PeerError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    report["targets"] = sweep_targets(report["systems"])
+    report["duration_s"] = time.monotonic() - started
+    print(sweep_table(report["systems"]))
+    print("\n" + "\n".join(target_lines(report["targets"])))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        for name, text in logs.items():
+            args.json.with_name(f"{args.json.stem}.{name}.log").write_text(text)
+    if args.plots:
+        for path in write_sweep_plot(report["systems"], args.plots):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _regime(args: argparse.Namespace) -> str:
+    seats = args.max_loras or args.adapters
+    if args.base_share >= 1:
+        return "base model only"
+    if seats >= args.adapters:
+        return f"everything fits: {args.adapters} adapters, {seats} seats"
+    return f"adapters under pressure: {args.adapters} adapters on {seats} seats"
+
+
+def sweep_targets(systems: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """lora-guard's saturated throughput and matched-load TTFT p95 against each peer's."""
+    ours = systems.get("lora-guard")
+    if ours is None:
+        return []
+    found = []
+    for peer, goal in THROUGHPUT_TARGETS.items():
+        if peer not in systems:
+            continue
+        theirs = systems[peer]
+        ratio = _ratio(ours["saturated"]["tokens_per_s"], theirs["saturated"]["tokens_per_s"])
+        found.append({"what": f"saturated tok/s vs {peer}", "goal": f">= {goal:g}x",
+                      "value": ratio, "met": ratio is not None and ratio >= goal})  # fmt: skip
+        if "matched" in ours and "matched" in theirs:
+            ratio = _ratio(ours["matched"]["ttft_p95_ms"], theirs["matched"]["ttft_p95_ms"])
+            found.append({"what": f"TTFT p95 at matched load vs {peer}",
+                          "goal": f"<= {LATENCY_TARGET:g}x", "value": ratio,
+                          "met": ratio is not None and ratio <= LATENCY_TARGET})  # fmt: skip
+    return found
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def target_lines(targets: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for t in targets:
+        value = "-" if t["value"] is None else f"{t['value']:.2f}x"
+        lines.append(f"{t['what']}: {value} (target {t['goal']}): "
+                     f"{'met' if t['met'] else 'missed'}")  # fmt: skip
+    return lines
+
+
+def sweep_table(systems: dict[str, dict[str, Any]]) -> str:
+    rows = ["| system | clients | tok/s | TTFT p50 | TTFT p95 | e2e p95 | done |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, found in systems.items():
+        best = found["saturated"]["clients"]
+        for p in [*found["points"], *([found["matched"]] if "matched" in found else [])]:
+            clients = str(p["clients"]) if p["clients"] else "matched load"
+            mark = " (saturated)" if p["clients"] == best else ""
+            rows.append(f"| {name} | {clients}{mark} | {p['tokens_per_s']:.1f} | "
+                        f"{_ms(p['ttft_p50_ms'])} | {_ms(p['ttft_p95_ms'])} | "
+                        f"{_ms(p['e2e_p95_ms'])} | {p['completed']}/{p['requests']} |")  # fmt: skip
+    return "\n".join(rows)
+
+
+def write_sweep_plot(systems: dict[str, dict[str, Any]], folder: Path) -> list[Path]:
+    """capacity.png: tok/s and TTFT p95 against the clients in the loop, a line per system."""
+    from lora_guard.bench.plots import colour, pyplot, save
+
+    plt = pyplot()
+    folder.mkdir(parents=True, exist_ok=True)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, found in systems.items():
+        clients = [p["clients"] for p in found["points"]]
+        left.plot(clients, [p["tokens_per_s"] for p in found["points"]], marker="o",
+                  label=name, color=colour(name))  # fmt: skip
+        right.plot(clients, [p["ttft_p95_ms"] for p in found["points"]], marker="o",
+                   label=name, color=colour(name))  # fmt: skip
+    left.set_ylabel("generated tokens/s (all clients busy)")
+    right.set_ylabel("TTFT p95 (ms)")
+    right.set_yscale("log")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("clients in the closed loop")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return [save(fig, folder / "capacity.png")]

@@ -1,0 +1,81 @@
+"""The servers a capacity sweep measures, each started as its users start it, on the same
+checkpoint, adapters, dtype, cores and KV space where the server lets it be set.
+
+- ``lora-guard``: ``lora-guard serve`` (its defaults: prefix caching on), ``--cache-memory`` the KV
+  space, adapters named by ``model``.
+- ``peft``: transformers + PEFT behind :mod:`lora_guard.bench.peft_server` (static batches).
+- ``vllm``: vLLM's CPU build as its CPU docs ask (:func:`lora_guard.bench.vllm_peer.vllm_launch`).
+- ``llama.cpp``: ``llama-server`` built here (:mod:`lora_guard.bench.llama_cpp_peer`), the model
+  and adapters converted to GGUF in the same dtype, one slot per client.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from lora_guard.bench.load import Body
+from lora_guard.bench.replay import EngineOptions
+from lora_guard.bench.servers import ServerLaunch
+from lora_guard.bench.sweep import System
+from lora_guard.bench.workload import TraceRequest
+
+
+def make_system(
+    name: str, options: EngineOptions, adapters: list[str], port: int,
+    log: Callable[[str], None],
+) -> System:  # fmt: skip
+    model, adapter_dir = Path(options.model), Path(options.adapter_dir)
+    if name == "lora-guard":
+        command = [
+            sys.executable, "-m", "lora_guard.cli", "serve", "--model", str(model),
+            "--adapter-dir", str(adapter_dir), "--host", "127.0.0.1", "--port", str(port),
+            "--cache-memory", options.kv_cache_memory, "--dtype", options.dtype,
+            "--max-num-seqs", str(options.max_num_seqs),
+        ]  # fmt: skip
+        if options.max_loras:
+            command += ["--max-loras", str(options.max_loras)]
+        return System(name, ServerLaunch(command, {}), _by_model(model.name))
+    if name == "peft":
+        from lora_guard.bench.peft_server import BASE_NAME
+
+        command = [
+            sys.executable, "-m", "lora_guard.bench.peft_server", "--model", str(model),
+            "--adapter-dir", str(adapter_dir), "--adapters", ",".join(adapters),
+            "--dtype", options.dtype, "--port", str(port),
+        ]  # fmt: skip
+        return System(name, ServerLaunch(command, {}), _by_model(BASE_NAME))
+    if name == "vllm":
+        from lora_guard.bench.vllm_peer import BASE_NAME, peer_python, vllm_launch
+
+        launch = vllm_launch(peer_python(log=log), options, adapters, port)
+        return System(name, launch, _by_model(BASE_NAME))
+    if name == "llama.cpp":
+        from lora_guard.bench import llama_cpp_peer as peer
+
+        python = peer.llama_cpp_python(log)
+        base, files = peer.gguf_files(python, model, adapter_dir, adapters, options.dtype, log)
+        launch = peer.llama_cpp_launch(peer.server_binary(python), base, files, port,
+                                       parallel=options.max_num_seqs)  # fmt: skip
+        return System(name, launch, _by_lora_list(adapters))
+    raise ValueError(f"unknown system {name!r}")
+
+
+def _by_model(base: str) -> Body:
+    def body(request: TraceRequest) -> dict[str, object]:
+        return {"model": request.adapter_id or base}
+
+    return body
+
+
+def _by_lora_list(adapters: list[str]) -> Body:
+    ids = {name: i for i, name in enumerate(adapters)}
+
+    def body(request: TraceRequest) -> dict[str, object]:
+        wanted = (
+            [] if request.adapter_id is None else [{"id": ids[request.adapter_id], "scale": 1.0}]
+        )
+        return {"model": "base", "lora": wanted}
+
+    return body

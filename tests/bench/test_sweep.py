@@ -1,0 +1,119 @@
+"""The capacity sweep: its knee, its throughput read while every client is busy, targets that
+can miss, llama.cpp's launch, and the whole command on two real servers (lora-guard's and the
+PEFT server) over loopback HTTP."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lora_guard.bench.llama_cpp_peer import SLOT_TOKENS, llama_cpp_launch
+from lora_guard.bench.load import Reply, busy_throughput
+from lora_guard.bench.sweep import Point, past_knee, saturated, sweep_targets, target_lines
+from lora_guard.bench.systems import _by_lora_list
+from lora_guard.bench.workload import TraceRequest
+from lora_guard.testing import AdapterFactory
+
+
+def point(clients: int, tokens_per_s: float, ttft_p95_ms: float = 100.0) -> Point:
+    return Point(clients, 10, 10, 0, tokens_per_s, tokens_per_s / 10, 1.0, 50.0, ttft_p95_ms, 1e3)
+
+
+def test_the_sweep_ends_two_points_past_the_knee() -> None:
+    rising = [point(1, 10), point(2, 19), point(4, 30), point(8, 40)]
+    assert not past_knee(rising)
+    flat = [point(1, 10), point(2, 19), point(4, 30), point(8, 31), point(16, 29)]
+    assert past_knee(flat)
+    assert saturated(flat).clients == 8
+    # one flat point followed by a rise is not a knee
+    assert not past_knee([point(1, 10), point(2, 10.2), point(4, 20)])
+
+
+def test_throughput_is_read_while_every_client_is_busy() -> None:
+    # two clients; the last request is sent at 2 s, the stragglers drain until 10 s
+    replies = [
+        Reply("a", 0.0, 0.1, 1.0, tokens=4, chunks=[0.25, 0.5, 0.75, 1.0]),
+        Reply("b", 0.0, 0.1, 2.0, tokens=4, chunks=[0.5, 1.0, 1.5, 2.0]),
+        Reply("c", 1.0, 1.1, 10.0, tokens=4, chunks=[2.5, 5.0, 7.5, 10.0]),
+        Reply("d", 2.0, 2.1, 10.0, tokens=2, chunks=[6.0, 10.0]),
+    ]
+    tokens_per_s, busy = busy_throughput(replies, clients=2)
+    assert busy == 2.0
+    assert tokens_per_s == pytest.approx(8 / 2.0)  # a and b's tokens; c's first comes later
+
+
+def test_a_chunk_count_is_scaled_to_the_servers_token_count() -> None:
+    # a server whose last chunk only says "finished": 3 chunks, 2 tokens
+    reply = Reply("a", 0.0, 0.1, 1.0, tokens=2, chunks=[0.1, 0.5, 1.0])
+    assert reply.tokens_by(0.5) == pytest.approx(2 * 2 / 3)
+    assert reply.tokens_by(1.0) == 2
+
+
+def test_targets_built_to_miss_print_missed() -> None:
+    systems = {
+        "lora-guard": {"saturated": {"tokens_per_s": 20.0}, "matched": {"ttft_p95_ms": 80.0}},
+        "vllm": {"saturated": {"tokens_per_s": 10.0}, "matched": {"ttft_p95_ms": 100.0}},
+    }
+    lines = target_lines(sweep_targets(systems))
+    assert lines == [
+        "saturated tok/s vs vllm: 2.00x (target >= 3x): missed",
+        "TTFT p95 at matched load vs vllm: 0.80x (target <= 0.5x): missed",
+    ]
+    systems["vllm"] = {"saturated": {"tokens_per_s": 5.0}, "matched": {"ttft_p95_ms": 200.0}}
+    assert all(line.endswith(": met") for line in target_lines(sweep_targets(systems)))
+
+
+def test_llama_server_gets_a_slot_per_client_every_core_and_every_adapter() -> None:
+    adapters = [Path("/g/a.gguf"), Path("/g/b.gguf")]
+    launch = llama_cpp_launch(Path("/bin/llama-server"), Path("/g/m.gguf"), adapters, 9000,
+                              parallel=32, cores={0, 1})  # fmt: skip
+    command = launch.command
+    assert command[command.index("--parallel") + 1] == "32"
+    assert command[command.index("--ctx-size") + 1] == str(32 * SLOT_TOKENS)
+    assert command[command.index("--threads") + 1] == "2"
+    assert [command[i + 1] for i, a in enumerate(command) if a == "--lora"] == [
+        "/g/a.gguf",
+        "/g/b.gguf",
+    ]
+    assert "--lora-init-without-apply" in command  # a request names its own adapter
+    body = _by_lora_list(["a", "b"])
+    ask = TraceRequest("r", 0.0, "t0", "b", "hi", 4)
+    assert body(ask)["lora"] == [{"id": 1, "scale": 1.0}]
+    assert body(TraceRequest("r", 0.0, "t0", None, "hi", 4))["lora"] == []
+
+
+@pytest.mark.slow
+def test_one_command_sweeps_lora_guard_and_peft_over_http(
+    tiny_model: Path, tiny_adapters: AdapterFactory, tmp_path: Path
+) -> None:
+    folder = next(iter(tiny_adapters(3, "sweep").values())).parent
+    out = tmp_path / "sweep.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "lora_guard.cli", "bench", "--sweep", "1,2", "--systems",
+         "lora-guard,peft", "--model", str(tiny_model), "--adapter-dir", str(folder),
+         "--adapters", "3", "--tenants", "2", "--requests", "6", "--output-mean", "6",
+         "--system-prompt-words", "8", "--user-words", "4", "--kv-cache-memory", "64MiB",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    modules = {"lora-guard": "lora_guard.cli", "peft": "lora_guard.bench.peft_server"}
+    for name, module in modules.items():
+        found = report["systems"][name]
+        assert [p["clients"] for p in found["points"]] == [1, 2]
+        for p in [*found["points"], found["matched"]]:
+            assert p["completed"] == p["requests"] and p["short"] == 0  # all asked tokens came
+            assert p["tokens_per_s"] > 0 and p["ttft_p95_ms"] > 0
+        assert found["launch"]["command"][1:3] == ["-m", module]  # how it ran, in the report
+        assert out.with_name(f"sweep.{name}-sweep.log").exists()
+    assert report["regime"] == "everything fits: 3 adapters, 3 seats"
+    assert [t["what"] for t in report["targets"]] == [
+        "saturated tok/s vs peft",
+        "TTFT p95 at matched load vs peft",
+    ]
+    assert "| lora-guard | matched load |" in done.stdout
