@@ -24,7 +24,8 @@ from typing import Any
 
 from lora_guard.bench.peer_env import PEERS, VLLM_BENCH_SERVE
 from lora_guard.bench.replay import EngineOptions
-from lora_guard.bench.vllm_peer import BASE_NAME, VllmLaunch, vllm_launch, wait_ready
+from lora_guard.bench.servers import ServerLaunch, wait_ready
+from lora_guard.bench.vllm_peer import BASE_NAME, vllm_launch
 from lora_guard.demo import prepare_demo
 from lora_guard.testing import free_port
 
@@ -84,19 +85,19 @@ def main() -> int:
 def _launch(
     system: str, args: argparse.Namespace, model: Path, adapter_dir: Path, adapters: list[str],
     port: int, vllm: Path,
-) -> VllmLaunch:  # fmt: skip
+) -> ServerLaunch:  # fmt: skip
     if system == "lora-guard":
         command = [sys.executable, "-m", "lora_guard.cli", "serve", "--model", str(model),
                    "--adapter-dir", str(adapter_dir), "--host", "127.0.0.1", "--port", str(port),
                    "--max-loras", str(args.max_loras), "--cache-memory", args.cache_memory,
                    "--dtype", args.dtype]  # fmt: skip
-        return VllmLaunch(command, {})
+        return ServerLaunch(command, {})
     options = EngineOptions(model=str(model), adapter_dir=str(adapter_dir),
                             max_loras=args.max_loras, kv_cache_memory=args.cache_memory,
                             dtype=args.dtype, max_num_seqs=64)  # fmt: skip
     launch = vllm_launch(vllm, options, adapters, port)
     if system == "vllm-default":  # vLLM's own thread binding: on 2 cores it reserves one
-        return VllmLaunch(launch.command, {})
+        return ServerLaunch(launch.command, {})
     return launch
 
 

@@ -22,6 +22,7 @@ from lora_guard import testing
 from lora_guard.bench.workload import TraceRequest
 
 _TIMEOUT_S = 900.0
+_STALE_RETRIES = 2
 
 # What a system adds to a request's body (its adapter's name, or a per-request LoRA list).
 Body = Callable[[TraceRequest], dict[str, Any]]
@@ -38,6 +39,7 @@ class Reply:
     tokens: int = 0  # the server's count (usage), else the chunks
     chunks: list[float] = field(default_factory=list)  # when each chunk with a choice came
     error: str | None = None
+    retries: int = 0  # sent again after a stale kept-alive connection
 
     def tokens_by(self, moment: float) -> float:
         """Tokens out by ``moment``: the count spread evenly over the chunks (servers differ in
@@ -95,15 +97,24 @@ def _send(http: httpx.Client, request: TraceRequest, body: Body, start: float) -
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
         **body(request),
     }  # fmt: skip
-    try:
-        with http.stream("POST", "/v1/completions", json=payload) as answer:
-            if answer.status_code != 200:
-                answer.read()
-                reply.error = f"{answer.status_code}: {answer.text[:200]}"
-            else:
-                _read_stream(answer, reply, start)
-    except (httpx.HTTPError, ValueError, KeyError) as exc:
-        reply.error = f"{type(exc).__name__}: {exc}"
+    for attempt in range(_STALE_RETRIES + 1):
+        try:
+            with http.stream("POST", "/v1/completions", json=payload) as answer:
+                if answer.status_code != 200:
+                    answer.read()
+                    reply.error = f"{answer.status_code}: {answer.text[:200]}"
+                else:
+                    _read_stream(answer, reply, start)
+        except httpx.RemoteProtocolError as exc:
+            # A kept-alive connection the server closed as the request went out: nothing was
+            # answered, so the request is sent again on a new one, as browsers do.
+            if not reply.chunks and attempt < _STALE_RETRIES:
+                reply.retries += 1
+                continue
+            reply.error = f"{type(exc).__name__}: {exc}"
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            reply.error = f"{type(exc).__name__}: {exc}"
+        break
     reply.finish = time.monotonic() - start
     return reply
 

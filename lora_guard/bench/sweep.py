@@ -61,6 +61,7 @@ class Point:
     requests: int
     completed: int
     short: int  # completed with fewer tokens than asked
+    retries: int  # requests sent again after a stale kept-alive connection
     tokens_per_s: float  # while every client was busy (closed loop), else over the whole run
     requests_per_s: float
     busy_s: float
@@ -83,6 +84,7 @@ def measure(replies: list[Reply], trace: list[TraceRequest], clients: int) -> Po
     return Point(
         clients=clients, requests=len(trace), completed=len(done),
         short=sum(1 for r in done if r.tokens < asked[r.id]),
+        retries=sum(r.retries for r in replies),
         tokens_per_s=tokens_per_s,
         requests_per_s=tokens_per_s / mean_tokens if mean_tokens else 0.0,
         busy_s=busy, ttft_p50_ms=percentile(ttft, 50), ttft_p95_ms=percentile(ttft, 95),

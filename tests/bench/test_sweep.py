@@ -20,7 +20,9 @@ from lora_guard.testing import AdapterFactory
 
 
 def point(clients: int, tokens_per_s: float, ttft_p95_ms: float = 100.0) -> Point:
-    return Point(clients, 10, 10, 0, tokens_per_s, tokens_per_s / 10, 1.0, 50.0, ttft_p95_ms, 1e3)
+    return Point(
+        clients, 10, 10, 0, 0, tokens_per_s, tokens_per_s / 10, 1.0, 50.0, ttft_p95_ms, 1e3
+    )
 
 
 def test_the_sweep_ends_two_points_past_the_knee() -> None:
