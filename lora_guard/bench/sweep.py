@@ -3,8 +3,8 @@ HTTP server, measured by the same client (:mod:`lora_guard.bench.load`).
 
 For each system in ``--systems`` (lora-guard, peft, vllm, llama.cpp), one after another: start its
 server, warm it (one short request per adapter), then a closed loop of N clients on the trace for
-each N of the sweep, until past the knee (two N in a row that add under 5% to the best). The
-saturated throughput is the best N's. Then, with every system's capacity known, each is started
+each N of the sweep. The saturated throughput is the best N's; the knee, the fewest clients that
+reach 95% of it. Then, with every system's capacity known, each is started
 again and the trace arrives open-loop at ``--matched-load`` of the smallest capacity: the latency
 each gives at the same load, below every system's knee.
 """
@@ -37,8 +37,7 @@ from lora_guard.bench.stats import percentile
 from lora_guard.bench.workload import TraceRequest, WorkloadSpec, make_trace, mean_rate
 
 SYSTEMS = ("lora-guard", "peft", "vllm", "llama.cpp")
-KNEE_GAIN = 1.05  # a point that adds less than this to the best so far is past the knee
-PAST_KNEE = 2  # such points in a row end a system's sweep
+KNEE_SHARE = 0.95  # the knee: the fewest clients that reach this share of the best throughput
 # What lora-guard's saturated throughput is held against (issue-stated targets).
 THROUGHPUT_TARGETS = {"vllm": 3.0, "peft": 3.0, "llama.cpp": 2.0}
 LATENCY_TARGET = 0.5  # lora-guard's TTFT p95 at matched load, at most this share of each peer's
@@ -92,14 +91,10 @@ def measure(replies: list[Reply], trace: list[TraceRequest], clients: int) -> Po
     )  # fmt: skip
 
 
-def past_knee(points: Sequence[Point]) -> bool:
-    """The last :data:`PAST_KNEE` points each added under :data:`KNEE_GAIN` to the best before."""
-    if len(points) <= PAST_KNEE:
-        return False
-    for i in range(len(points) - PAST_KNEE, len(points)):
-        if points[i].tokens_per_s >= KNEE_GAIN * max(p.tokens_per_s for p in points[:i]):
-            return False
-    return True
+def knee(points: Sequence[Point]) -> Point:
+    """The fewest clients that reach :data:`KNEE_SHARE` of the saturated throughput."""
+    best = saturated(points).tokens_per_s
+    return min((p for p in points if p.tokens_per_s >= KNEE_SHARE * best), key=lambda p: p.clients)
 
 
 def saturated(points: Sequence[Point]) -> Point:
@@ -148,8 +143,6 @@ def run_system(
                      f"({time.monotonic() - started:.0f} s)")  # fmt: skip
             if failed:
                 raise PeerError(f"{system.name}: {len(failed)} requests failed, e.g. {failed[0]}")
-            if clients and past_knee([p for p in points if p.clients]):
-                break
     finally:
         stop_server(server)
     return points, peak
@@ -212,7 +205,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 logs[f"{name}-sweep"] = shared(log.read_text(errors="replace"))
                 report["systems"][name] = {
                     "launch": system.launch.as_json(), "points": [asdict(p) for p in points],
-                    "saturated": asdict(saturated(points)), "peak_rss": peak,
+                    "saturated": asdict(saturated(points)), "knee_clients": knee(points).clients,
+                    "peak_rss": peak,
                 }  # fmt: skip
             capacity = min(s["saturated"]["requests_per_s"] for s in report["systems"].values())
             rate = args.matched_load * capacity

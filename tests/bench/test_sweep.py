@@ -13,7 +13,7 @@ import pytest
 
 from lora_guard.bench.llama_cpp_peer import SLOT_TOKENS, llama_cpp_launch
 from lora_guard.bench.load import Reply, busy_throughput
-from lora_guard.bench.sweep import Point, past_knee, saturated, sweep_targets, target_lines
+from lora_guard.bench.sweep import Point, knee, saturated, sweep_targets, target_lines
 from lora_guard.bench.systems import _by_lora_list
 from lora_guard.bench.workload import TraceRequest
 from lora_guard.testing import AdapterFactory
@@ -25,14 +25,10 @@ def point(clients: int, tokens_per_s: float, ttft_p95_ms: float = 100.0) -> Poin
     )
 
 
-def test_the_sweep_ends_two_points_past_the_knee() -> None:
-    rising = [point(1, 10), point(2, 19), point(4, 30), point(8, 40)]
-    assert not past_knee(rising)
-    flat = [point(1, 10), point(2, 19), point(4, 30), point(8, 31), point(16, 29)]
-    assert past_knee(flat)
-    assert saturated(flat).clients == 8
-    # one flat point followed by a rise is not a knee
-    assert not past_knee([point(1, 10), point(2, 10.2), point(4, 20)])
+def test_the_knee_is_the_fewest_clients_near_the_best() -> None:
+    points = [point(1, 10), point(2, 19), point(4, 30), point(8, 31), point(16, 29)]
+    assert saturated(points).clients == 8
+    assert knee(points).clients == 4  # 30 >= 0.95 x 31
 
 
 def test_throughput_is_read_while_every_client_is_busy() -> None:
