@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +36,13 @@ class ServerLaunch:
 
 
 def shared(text: str) -> str:
-    """``text`` with this machine's ``$LORA_GUARD_HOME`` written as the variable."""
-    return text.replace(str(lora_guard_home()), "$LORA_GUARD_HOME")
+    """``text`` with this machine's paths written as a reader would: ``$LORA_GUARD_HOME``, this
+    interpreter as ``python``, the checkout as ``.``, the home folder as ``~``."""
+    checkout = Path(__file__).resolve().parents[2]
+    for path, name in ((lora_guard_home(), "$LORA_GUARD_HOME"), (Path(sys.executable), "python"),
+                       (checkout, "."), (Path.home(), "~")):  # fmt: skip
+        text = text.replace(str(path), name)
+    return text
 
 
 def start_server(launch: ServerLaunch, log_file: Path) -> subprocess.Popen[bytes]:

@@ -125,7 +125,9 @@ def run_system(
         wait_ready(server, url, log_file)
         for clients, trace in runs:
             if clients < 0:  # the warm-up
-                closed_loop(url, trace, 1, system.body)
+                failed = [r.error for r in closed_loop(url, trace, 1, system.body) if r.error]
+                if failed:
+                    raise PeerError(f"{system.name}: the warm-up failed: {failed[0]}")
                 continue
             started = time.monotonic()
             if clients:
@@ -276,7 +278,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def target_lines(targets: list[dict[str, Any]]) -> list[str]:
     lines = []
     for t in targets:
-        value = "-" if t["value"] is None else f"{t['value']:.2f}x"
+        value = "-" if t["value"] is None else f"{t['value']:.3g}x"
         lines.append(f"{t['what']}: {value} (target {t['goal']}): "
                      f"{'met' if t['met'] else 'missed'}")  # fmt: skip
     return lines

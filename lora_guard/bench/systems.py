@@ -36,7 +36,7 @@ def make_system(
         ]  # fmt: skip
         if options.max_loras:
             command += ["--max-loras", str(options.max_loras)]
-        return System(name, ServerLaunch(command, {}), _by_model(model.name))
+        return System(name, ServerLaunch(command, {}), _by_model("tgi"))  # its base model's alias
     if name == "peft":
         from lora_guard.bench.peft_server import BASE_NAME
 
