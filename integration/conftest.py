@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lora_guard.adapter_maker import make_adapters
-from lora_guard.testing import (
+from lora_guard.demo.adapters import make_adapters
+from lora_guard.demo.testing import (
     ServerProcess,
     engine_greedy,
     free_port,

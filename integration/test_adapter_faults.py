@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lora_guard.testing import ServerProcess, metric, start_server
+from lora_guard.demo.testing import ServerProcess, metric, start_server
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lora_guard.adapter_maker import make_adapters
-from lora_guard.testing import ServerProcess, start_server
+from lora_guard.demo.adapters import make_adapters
+from lora_guard.demo.testing import ServerProcess, start_server
 
 KEYS = """
 [keys.acme]

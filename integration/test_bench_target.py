@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lora_guard.testing import ServerProcess
+from lora_guard.demo.testing import ServerProcess
 
 
 def test_a_trace_replayed_on_a_server_completes_and_matches_the_oracle(

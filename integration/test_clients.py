@@ -14,7 +14,7 @@ from openai import OpenAI
 from text_generation import Client
 
 from lora_guard import LLM, SamplingParams
-from lora_guard.testing import ServerProcess as Server
+from lora_guard.demo.testing import ServerProcess as Server
 
 PROMPT = "The capital of France is"
 NEW = 8

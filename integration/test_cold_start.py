@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lora_guard.adapter_maker import make_adapters
-from lora_guard.testing import engine_greedy, metric, start_server
+from lora_guard.demo.adapters import make_adapters
+from lora_guard.demo.testing import engine_greedy, metric, start_server
 
 PROMPT = "The capital of France is"
 NEW_TOKENS = 6

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from lora_guard.testing import ServerProcess, metric, start_server
+from lora_guard.demo.testing import ServerProcess, metric, start_server
 
 MAX_CONCURRENT = 4
 ServesCorrectly = Callable[..., None]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from lora_guard.testing import ServerProcess as Server
+from lora_guard.demo.testing import ServerProcess as Server
 
 
 @pytest.mark.parametrize(

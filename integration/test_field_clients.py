@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from lora_guard.bench.peer_env import PEERS, VLLM_BENCH_SERVE, PeerEnv
-from lora_guard.demo import prepare_demo
-from lora_guard.testing import ServerProcess, metric, start_server
+from lora_guard.demo.model import prepare_demo
+from lora_guard.demo.testing import ServerProcess, metric, start_server
 
 pytestmark = pytest.mark.clients
 

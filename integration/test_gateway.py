@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lora_guard.testing import ServerProcess, metric, metric_samples, start_server
+from lora_guard.demo.testing import ServerProcess, metric, metric_samples, start_server
 
 
 @pytest.fixture(scope="module")

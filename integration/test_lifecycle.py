@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from lora_guard.testing import ServerProcess as Server
-from lora_guard.testing import start_server
+from lora_guard.demo.testing import ServerProcess as Server
+from lora_guard.demo.testing import start_server
 
 DESIGN_METRICS = [
     "lora_guard_hot_adapter_hit_rate", "lora_guard_adapter_lookups", "lora_guard_adapter_swap_ms",

@@ -21,8 +21,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lora_guard.adapter_maker import make_adapters
-from lora_guard.testing import ServerProcess, engine_greedy, metric, metric_samples, start_server
+from lora_guard.demo.adapters import make_adapters
+from lora_guard.demo.testing import (
+    ServerProcess,
+    engine_greedy,
+    metric,
+    metric_samples,
+    start_server,
+)
 
 CLIENTS = 8
 DURATION_S = 20.0

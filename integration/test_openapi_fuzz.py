@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from lora_guard.testing import ServerProcess, start_server
+from lora_guard.demo.testing import ServerProcess, start_server
 
 BODIES_PER_ROUTE = 300
 ROUTES = ("/generate", "/generate_stream", "/", "/v1/chat/completions", "/v1/completions")

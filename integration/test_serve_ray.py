@@ -22,19 +22,19 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lora_guard.adapter_maker import make_adapters
 from lora_guard.bench.oracle import OracleRequest, oracle_tokens
 from lora_guard.bench.replay import EngineOptions
-from lora_guard.bench.stats import percentile
-from lora_guard.bench.workload import TraceRequest, WorkloadSpec, make_trace
-from lora_guard.testing import closed_loop
+from lora_guard.demo.adapters import make_adapters
+from lora_guard.demo.testing import closed_loop
+from lora_guard.workload.stats import percentile
+from lora_guard.workload.trace import TraceRequest, WorkloadSpec, make_trace
 
 ray = pytest.importorskip("ray", reason="needs lora-guard[ray]")
 serve = pytest.importorskip("ray.serve")
 
 from lora_guard import serve_ray  # noqa: E402
 from lora_guard.serve_ray.app import fleet_stats  # noqa: E402
-from lora_guard.serve_ray.offline_best import offline_best_loads  # noqa: E402
+from lora_guard.workload.bounds import offline_best_loads  # noqa: E402
 
 REPLICAS, SEATS, CLIENTS = 2, 3, 4
 SPEC = WorkloadSpec(

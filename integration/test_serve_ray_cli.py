@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_guard.testing import start_server
+from lora_guard.demo.testing import start_server
 
 pytest.importorskip("ray", reason="needs lora-guard[ray]")
 

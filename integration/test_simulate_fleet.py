@@ -41,10 +41,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lora_guard.adapter_maker import make_adapters
-from lora_guard.bench.stats import percentile
-from lora_guard.bench.workload import TraceRequest, WorkloadSpec, make_trace
 from lora_guard.config import load_settings
+from lora_guard.demo.adapters import make_adapters
+from lora_guard.demo.testing import closed_loop, make_tiny_llama
 from lora_guard.simulate import SimRequest, SimResult, simulate
 from lora_guard.simulate_costs import (
     Costs,
@@ -54,7 +53,8 @@ from lora_guard.simulate_costs import (
     read_step_log,
     with_step_fit,
 )
-from lora_guard.testing import closed_loop, make_tiny_llama
+from lora_guard.workload.stats import percentile
+from lora_guard.workload.trace import TraceRequest, WorkloadSpec, make_trace
 
 ray = pytest.importorskip("ray", reason="needs lora-guard[ray]")
 serve = pytest.importorskip("ray.serve")

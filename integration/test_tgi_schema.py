@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from lora_guard.testing import ServerProcess, start_server
+from lora_guard.demo.testing import ServerProcess, start_server
 
 Schema = dict[str, Any]
 Problem = tuple[str, str]  # (kind, detail): the kind groups repeats of one violation

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lora_guard import __version__
-from lora_guard.personas import PERSONAS
+from lora_guard.demo.personas import PERSONAS
 
 
 def _ranks(text: str) -> tuple[int, ...]:
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser(
         "train-adapter",
-        help="train a persona LoRA by context distillation (see lora_guard/personas)",
+        help="train a persona LoRA by context distillation (see lora_guard/demo/personas)",
         description="The base model, prompted with the persona's system prompt, answers generated "
         "questions; a LoRA on q/k/v/o_proj learns to give those answers without the prompt. "
         "Writes adapter_model.safetensors, adapter_config.json and training.json into OUT.",
@@ -183,7 +183,7 @@ def _serve(argv: list[str]) -> int:
         return 2
     from lora_guard.engine.config import ConfigError
     from lora_guard.engine.lora import AdapterError
-    from lora_guard.engine.model import ModelLoadError
+    from lora_guard.engine.spec import ModelLoadError
     from lora_guard.plugins import PluginError
     from lora_guard.server.serve import StartError, engine_for, serve
 
@@ -213,7 +213,7 @@ def _serve_ray(argv: list[str]) -> int:
 
 
 def _prepare_demo(args: argparse.Namespace) -> int:
-    from lora_guard.demo import DemoError, prepare_demo
+    from lora_guard.demo.model import DemoError, prepare_demo
 
     started = time.perf_counter()
     try:
@@ -228,7 +228,7 @@ def _prepare_demo(args: argparse.Namespace) -> int:
 
 
 def _make_adapters(args: argparse.Namespace) -> int:
-    from lora_guard.adapter_maker import AdapterMakerError, make_adapters
+    from lora_guard.demo.adapters import AdapterMakerError, make_adapters
 
     try:
         folders = make_adapters(
@@ -249,9 +249,9 @@ def _make_adapters(args: argparse.Namespace) -> int:
 
 
 def _train_adapter(args: argparse.Namespace, argv: list[str]) -> int:
-    from lora_guard.paths import DemoPaths
-    from lora_guard.personas import Persona, persona
-    from lora_guard.train_adapter import TrainAdapterError, TrainSettings, train_persona
+    from lora_guard.demo.paths import DemoPaths
+    from lora_guard.demo.personas import Persona, persona
+    from lora_guard.demo.training import TrainAdapterError, TrainSettings, train_persona
 
     def fail(message: str) -> int:
         print(f"lora-guard train-adapter: error: {message}", file=sys.stderr)

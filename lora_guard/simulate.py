@@ -38,14 +38,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from lora_guard.bench.stats import percentile
-from lora_guard.bench.workload import WorkloadSpec, make_trace, mean_rate
 from lora_guard.policies.victims import engine_order
-from lora_guard.serve_ray.ranking import AffinityRanker, ReplicaView
+from lora_guard.routing import AffinityRanker, ReplicaView
 from lora_guard.simulate_costs import Costs, read_costs
+from lora_guard.workload.stats import percentile
+from lora_guard.workload.trace import WorkloadSpec, make_trace, mean_rate
 
 if TYPE_CHECKING:
-    from lora_guard.bench.workload import TraceRequest
+    from lora_guard.workload.trace import TraceRequest
 
 ROUTERS = ("lora-guard", "ray-multiplex", "power-of-two")
 DEFAULT_COSTS = Costs()

@@ -316,12 +316,12 @@ def calibrate_command(
     from lora_guard.engine.lora.registry import scan_adapter_dir
 
     if model is None:
-        from lora_guard.demo import prepare_demo
+        from lora_guard.demo.model import prepare_demo
 
         model = prepare_demo(log=lambda _msg: None).model_dir
     with tempfile.TemporaryDirectory(prefix="lora-guard-calibrate-") as scratch:
         if adapter_dir is None:
-            from lora_guard.adapter_maker import make_adapters
+            from lora_guard.demo.adapters import make_adapters
 
             adapter_dir = Path(scratch)
             make_adapters(model, adapter_dir, n=max(ADAPTERS_PER_BATCH), ranks=(8, 16, 32),

@@ -26,8 +26,8 @@ from lora_guard.bench.peer_env import PEERS, VLLM_BENCH_SERVE
 from lora_guard.bench.replay import EngineOptions
 from lora_guard.bench.servers import ServerLaunch, wait_ready
 from lora_guard.bench.vllm_peer import BASE_NAME, vllm_launch
-from lora_guard.demo import prepare_demo
-from lora_guard.testing import free_port
+from lora_guard.demo.model import prepare_demo
+from lora_guard.demo.testing import free_port
 
 
 def main() -> int:

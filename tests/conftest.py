@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from lora_guard.adapter_maker import make_adapters
-from lora_guard.paths import DemoPaths
-from lora_guard.testing import AdapterFactory, SoloGreedy, make_tiny_llama
+from lora_guard.demo.adapters import make_adapters
+from lora_guard.demo.paths import DemoPaths
+from lora_guard.demo.testing import AdapterFactory, SoloGreedy, make_tiny_llama
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +42,6 @@ def solo(tiny_model: Path, adapters: dict[str, Path]) -> Iterator[SoloGreedy]:
 @pytest.fixture(scope="session")
 def demo() -> DemoPaths:
     """The demo model and adapters in the user's lora-guard home, prepared if missing."""
-    from lora_guard.demo import prepare_demo
+    from lora_guard.demo.model import prepare_demo
 
     return prepare_demo(log=lambda _msg: None)

@@ -1,4 +1,4 @@
-"""``lora_guard.testing.closed_loop``: the integration tests' HTTP clients in a closed loop."""
+"""``lora_guard.demo.testing.closed_loop``: the integration tests' HTTP clients in a closed loop."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from lora_guard.testing import closed_loop
+from lora_guard.demo.testing import closed_loop
 
 
 class Echo(BaseHTTPRequestHandler):

@@ -11,10 +11,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from lora_guard import LLM, SamplingParams
+from lora_guard.demo.testing import AdapterFactory
 from lora_guard.metrics import METRICS, Metric, MetricsPlugin, metrics_of
 from lora_guard.plugins import Reject, hookimpl
 from lora_guard.plugins.state import EngineState, RequestView
-from lora_guard.testing import AdapterFactory
 
 PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True)
 LONG_PROMPT = (

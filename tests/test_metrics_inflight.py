@@ -8,9 +8,9 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from lora_guard import LLM, SamplingParams
+from lora_guard.demo.testing import AdapterFactory
 from lora_guard.engine.llm_engine import LLMEngine
 from lora_guard.metrics import metrics_of
-from lora_guard.testing import AdapterFactory
 
 
 def _labels(engine: LLMEngine) -> tuple[str, str, str]:

@@ -14,7 +14,8 @@ import pluggy
 import pytest
 
 from lora_guard import LLM, SamplingParams
-from lora_guard.adapter_maker import make_adapters
+from lora_guard.demo.adapters import make_adapters
+from lora_guard.demo.testing import reference_greedy
 from lora_guard.plugins import (
     Defer,
     EngineState,
@@ -29,7 +30,6 @@ from lora_guard.plugins import (
     make_plugin_manager,
 )
 from lora_guard.plugins.manager import DISABLE_AUTOLOAD_ENV
-from lora_guard.testing import reference_greedy
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "hooks.md"
 NEW_TOKENS = 5

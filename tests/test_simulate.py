@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from lora_guard.bench.replay import EngineOptions, replay_scheme, scheme_llm
-from lora_guard.bench.stats import percentile
-from lora_guard.bench.workload import TraceRequest, WorkloadSpec, make_trace
+from lora_guard.demo.testing import AdapterFactory
 from lora_guard.simulate import SimRequest, sim_requests, simulate
 from lora_guard.simulate_costs import (
     MIB,
@@ -24,7 +23,8 @@ from lora_guard.simulate_costs import (
     with_step_fit,
     write_costs,
 )
-from lora_guard.testing import AdapterFactory
+from lora_guard.workload.stats import percentile
+from lora_guard.workload.trace import TraceRequest, WorkloadSpec, make_trace
 
 SEATS = 4
 TOLERANCE = 0.15

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from lora_guard.bench.workload import SCENARIOS, WorkloadSpec
 from lora_guard.engine.config import LORA_DTYPES
+from lora_guard.workload.trace import SCENARIOS, WorkloadSpec
 
 SCHEMES = ("static", "on-demand", "lru", "lora-guard", "lora-guard-observe", "peft")
 FULL_REQUESTS = 200

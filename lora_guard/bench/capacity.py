@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, replace
 
 from lora_guard.bench.replay import EngineOptions
-from lora_guard.bench.workload import WorkloadSpec, make_trace
+from lora_guard.workload.trace import WorkloadSpec, make_trace
 
 CAPACITY_BATCH = 16  # requests run at once to measure the capacity
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lora_guard.bench.stats import median
+from lora_guard.workload.stats import median
 
 SUBJECT = "lora-guard"
 

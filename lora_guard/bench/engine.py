@@ -187,12 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.model is None:
-        from lora_guard.demo import prepare_demo
+        from lora_guard.demo.model import prepare_demo
 
         args.model = prepare_demo(log=lambda _msg: None).model_dir
     if args.adapter_dir is not None:
         return _bench(args)
-    from lora_guard.adapter_maker import make_adapters
+    from lora_guard.demo.adapters import make_adapters
 
     with tempfile.TemporaryDirectory(prefix="lora-guard-bench-") as scratch:
         args.adapter_dir = Path(scratch)

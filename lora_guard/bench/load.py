@@ -18,8 +18,8 @@ from typing import Any
 
 import httpx
 
-from lora_guard import testing
-from lora_guard.bench.workload import TraceRequest
+from lora_guard.demo import testing
+from lora_guard.workload.trace import TraceRequest
 
 _TIMEOUT_S = 900.0
 _STALE_RETRIES = 2

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lora_guard.paths import lora_guard_home
+from lora_guard.demo.paths import lora_guard_home
 
 TORCH_PACKAGE = "torch==2.13.0"
 _READY_MARK = "lora-guard-peer-ready"

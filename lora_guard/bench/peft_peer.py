@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from lora_guard.bench.replay import Bind, EngineOptions, RequestRecord, SchemeRun, peak_rss_now
-from lora_guard.bench.workload import TraceRequest
 from lora_guard.engine.llm_engine import encode_text
+from lora_guard.workload.trace import TraceRequest
 
 MAX_BATCH = 32
 _BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names

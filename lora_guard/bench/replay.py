@@ -14,12 +14,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from lora_guard.bench.workload import TraceRequest
 from lora_guard.engine import LLM, SamplingParams
 from lora_guard.engine.llm_engine import LLMEngine, RequestError, StepRecord
 from lora_guard.engine.lora.registry import scan_adapter_dir
 from lora_guard.plugins import hookimpl
 from lora_guard.plugins.state import RequestView
+from lora_guard.workload.trace import TraceRequest
 
 _IDLE_WAIT_S = 0.001
 

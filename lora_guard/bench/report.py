@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lora_guard.bench.hit_rate import belady_hit_rate, compulsory_hit_bound
 from lora_guard.bench.replay import RequestRecord, SchemeRun
-from lora_guard.bench.stats import median, percentile
+from lora_guard.workload.bounds import belady_hit_rate, compulsory_hit_bound
+from lora_guard.workload.stats import median, percentile
 
 MIB = 2**20
 

@@ -45,10 +45,10 @@ from lora_guard.bench.replay import (
     replay_scheme,
 )
 from lora_guard.bench.report import aggregate, markdown_table, summarize
-from lora_guard.bench.stats import median
 from lora_guard.bench.target import replay_target
 from lora_guard.bench.vllm_peer import peer_python, replay_vllm
-from lora_guard.bench.workload import (
+from lora_guard.workload.stats import median
+from lora_guard.workload.trace import (
     TraceError,
     TraceRequest,
     WorkloadSpec,
@@ -332,8 +332,8 @@ def _progress(started: float, what: str) -> None:
 def _model_and_spec(args: argparse.Namespace, scratch: Path) -> tuple[Path, Path, WorkloadSpec]:
     spec = workload_spec(args)
     if args.quick:
-        from lora_guard.adapter_maker import make_adapters
-        from lora_guard.testing import make_tiny_llama
+        from lora_guard.demo.adapters import make_adapters
+        from lora_guard.demo.testing import make_tiny_llama
 
         model = make_tiny_llama(scratch / "model", hidden_size=128, intermediate_size=256)
         adapters = scratch / "adapters"
@@ -341,7 +341,7 @@ def _model_and_spec(args: argparse.Namespace, scratch: Path) -> tuple[Path, Path
                       prefix="quick")  # fmt: skip
         return model, adapters, replace(QUICK_SPEC, scenario=args.scenario)
     if args.model is None:
-        from lora_guard.demo import prepare_demo
+        from lora_guard.demo.model import prepare_demo
 
         demo = prepare_demo(log=lambda msg: print(msg, file=sys.stderr))
         return demo.model_dir, args.adapter_dir or demo.adapter_dir, spec

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from lora_guard.bench.peer_env import PeerError
-from lora_guard.paths import lora_guard_home
+from lora_guard.demo.paths import lora_guard_home
 
 _START_TIMEOUT_S = 600
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_guard.bench.arguments import workload_spec
-from lora_guard.bench.load import Body, Reply, busy_throughput, closed_loop, open_loop
+from lora_guard.bench.load import Reply, busy_throughput, closed_loop, open_loop
 from lora_guard.bench.peer_env import PeerError
 from lora_guard.bench.replay import EngineOptions
 from lora_guard.bench.servers import (
@@ -33,23 +33,15 @@ from lora_guard.bench.servers import (
     tree_rss,
     wait_ready,
 )
-from lora_guard.bench.stats import percentile
-from lora_guard.bench.workload import TraceRequest, WorkloadSpec, make_trace, mean_rate
+from lora_guard.bench.systems import System, make_system
+from lora_guard.workload.stats import percentile
+from lora_guard.workload.trace import TraceRequest, WorkloadSpec, make_trace, mean_rate
 
 SYSTEMS = ("lora-guard", "peft", "vllm", "llama.cpp")
 KNEE_SHARE = 0.95  # the knee: the fewest clients that reach this share of the best throughput
 # What lora-guard's saturated throughput is held against (issue-stated targets).
 THROUGHPUT_TARGETS = {"vllm": 3.0, "peft": 3.0, "llama.cpp": 2.0}
 LATENCY_TARGET = 0.5  # lora-guard's TTFT p95 at matched load, at most this share of each peer's
-
-
-@dataclass(frozen=True)
-class System:
-    """A server the sweep measures: how to start it and what each request tells it."""
-
-    name: str
-    launch: ServerLaunch
-    body: Body  # the request's adapter, as this server names it
 
 
 @dataclass(frozen=True)
@@ -159,7 +151,6 @@ def _ms(value: float | None) -> str:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from lora_guard.bench.systems import make_system
 
     started = time.monotonic()
 
@@ -173,7 +164,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
               f"{', '.join(SYSTEMS)}", file=sys.stderr)  # fmt: skip
         return 2
     sweep = sorted(set(args.sweep))
-    from lora_guard.demo import prepare_demo
+    from lora_guard.demo.model import prepare_demo
 
     demo = prepare_demo(log=progress)
     model = args.model or demo.model_dir

@@ -13,13 +13,22 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from lora_guard.bench.load import Body
 from lora_guard.bench.replay import EngineOptions
 from lora_guard.bench.servers import ServerLaunch
-from lora_guard.bench.sweep import System
-from lora_guard.bench.workload import TraceRequest
+from lora_guard.workload.trace import TraceRequest
+
+
+@dataclass(frozen=True)
+class System:
+    """A server the sweep measures: how to start it and what each request tells it."""
+
+    name: str
+    launch: ServerLaunch
+    body: Body  # the request's adapter, as this server names it
 
 
 def make_system(

@@ -19,7 +19,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from lora_guard.bench.replay import RequestRecord, SchemeRun
-from lora_guard.bench.workload import TraceRequest
+from lora_guard.workload.trace import TraceRequest
 
 _POLL_S = 1.0
 _MAX_RETRIES = 100

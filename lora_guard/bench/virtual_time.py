@@ -31,11 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from lora_guard.bench.capacity import CAPACITY_BATCH, Capacity, arrival_rate, capacity_prompts
-from lora_guard.bench.hit_rate import compulsory_hit_bound
 from lora_guard.bench.replay import Bind, BindRecorder, RequestRecord
 from lora_guard.bench.report import decode_tokens_per_s, request_tokens_per_s
-from lora_guard.bench.stats import percentile
-from lora_guard.bench.workload import (
+from lora_guard.plugins import hookimpl
+from lora_guard.simulate_costs import MIB, Costs, read_costs
+from lora_guard.workload.bounds import compulsory_hit_bound
+from lora_guard.workload.stats import percentile
+from lora_guard.workload.trace import (
     SCENARIOS,
     TraceError,
     TraceRequest,
@@ -44,8 +46,6 @@ from lora_guard.bench.workload import (
     pressure_spec,
     read_trace,
 )
-from lora_guard.plugins import hookimpl
-from lora_guard.simulate_costs import MIB, Costs, read_costs
 
 #: scheme -> ``--policies`` (None: the defaults, lora-guard's guard policies)
 SCHEMES: dict[str, str | None] = {
@@ -579,8 +579,8 @@ def _spec(args: argparse.Namespace) -> WorkloadSpec:
 def _make_bench(tmp: Path, spec: WorkloadSpec, args: argparse.Namespace, costs: Costs) -> Bench:
     """A tiny model and the study's adapters: mixed ranks and targets for ``pressure`` and a
     trace, ranks 4-16 on every projection otherwise."""
-    from lora_guard.adapter_maker import make_adapters, named_specs, write_adapters
-    from lora_guard.testing import make_tiny_llama
+    from lora_guard.demo.adapters import make_adapters, named_specs, write_adapters
+    from lora_guard.demo.testing import make_tiny_llama
 
     model = make_tiny_llama(tmp / "model", max_position_embeddings=4096)
     out = tmp / "adapters"

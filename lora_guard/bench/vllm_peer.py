@@ -33,7 +33,7 @@ from lora_guard.bench.servers import (
     tree_rss,
     wait_ready,
 )
-from lora_guard.bench.workload import TraceRequest
+from lora_guard.workload.trace import TraceRequest
 
 BASE_NAME = "base"
 

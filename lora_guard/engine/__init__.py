@@ -7,8 +7,8 @@ from lora_guard.engine.errors import RequestError, UnknownAdapterError
 from lora_guard.engine.llm import LLM
 from lora_guard.engine.llm_engine import LLMEngine, RequestOutput
 from lora_guard.engine.lora import AdapterError
-from lora_guard.engine.model import ModelLoadError
 from lora_guard.engine.sampling import InvalidParams, SamplingParams
+from lora_guard.engine.spec import ModelLoadError
 
 __all__ = [
     "LLM",

@@ -18,10 +18,11 @@ from lora_guard.engine.lora.loader import AdapterLoader, HostCache
 from lora_guard.engine.lora.pool import CachePool
 from lora_guard.engine.lora.registry import AdapterRegistry
 from lora_guard.engine.lora.residency import ResidencyManager
-from lora_guard.engine.model import LlamaModel, ModelSpec
+from lora_guard.engine.model import LlamaModel
 from lora_guard.engine.request_check import RequestCheck
 from lora_guard.engine.runner import ModelRunner
 from lora_guard.engine.scheduler import Scheduler
+from lora_guard.engine.spec import ModelSpec
 from lora_guard.plugins.manager import Hooks, make_plugin_manager
 from lora_guard.plugins.options import id_list
 
@@ -161,7 +162,7 @@ def model_name(model_dir: Path, hf_config: Any) -> str:
     """The base model's name for ``/info``, ``/v1/models`` and responses, never a path: the name
     its manifest or config records (``SmolLM2-135M-Instruct`` of ``HuggingFaceTB/...``), else
     the checkpoint folder's name."""
-    from lora_guard.manifest import read_manifest
+    from lora_guard.demo.manifest import read_manifest
 
     manifest = read_manifest(model_dir) or {}
     recorded = manifest.get("info", {}).get("model_id") or getattr(hf_config, "name_or_path", "")

@@ -1,9 +1,10 @@
 """lora-guard replicas behind Ray Serve (``pip install 'lora-guard[ray]'``; docs/scale-out.md).
 
-Without Ray: ``ranking`` (the adapter-affinity ranking of replicas, shared by the request router
-and ``lora-guard simulate``), ``stats`` (what a replica reports, and how the router reads it),
-``offline_best`` (the fewest loads any router could make on a trace), ``asgi`` (a request through
-an ASGI application in process) and ``metrics`` (the fleet's summed Prometheus samples).
+The adapter-affinity ranking of replicas lives in ``lora_guard.routing`` (shared with
+``lora-guard simulate``), the fewest loads any router could make on a trace in
+``lora_guard.workload.bounds``. Without Ray: ``stats`` (what a replica reports, and how the router
+reads it), ``asgi`` (a request through an ASGI application in process) and ``metrics`` (the
+fleet's summed Prometheus samples).
 With Ray: ``router`` (the ``RequestRouter``), ``app`` (the ingress and engine deployments) and
 ``runner`` (``lora-guard serve-ray``). ``build_app`` and ``run`` below import Ray when called.
 """

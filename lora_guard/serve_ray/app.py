@@ -231,7 +231,7 @@ def engine_deployment(
         raise ValueError("replicas must be at least 1")
     settings = load_settings(list(serve_argv))  # the arguments are checked here, once
     if settings.engine_kwargs()["model"] is None:  # the demo model: prepared once, here
-        from lora_guard.demo import DemoError, prepare_demo
+        from lora_guard.demo.model import DemoError, prepare_demo
 
         try:
             prepare_demo()

@@ -14,7 +14,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from lora_guard.serve_ray.ranking import AffinityRanker, ReplicaView
+from lora_guard.routing import AffinityRanker, ReplicaView
 from lora_guard.serve_ray.stats import adapter_of, replica_view
 
 

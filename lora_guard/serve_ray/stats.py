@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from lora_guard.serve_ray.ranking import ReplicaView
+from lora_guard.routing import ReplicaView
 
 if TYPE_CHECKING:  # the router's process reads stats and never imports the engine (nor torch)
     from lora_guard.engine.llm_engine import LLMEngine

@@ -61,7 +61,7 @@ def engine_for(settings: Any) -> tuple[LLMEngine, KeyRing | None, list[Path]]:
     from lora_guard.engine.builder import build_engine
     from lora_guard.engine.config import ConfigError
     from lora_guard.engine.lora import AdapterError
-    from lora_guard.engine.model import ModelLoadError
+    from lora_guard.engine.spec import ModelLoadError
     from lora_guard.engine.threads import serial_thread
     from lora_guard.plugins import PluginError
 
@@ -78,7 +78,7 @@ def engine_for(settings: Any) -> tuple[LLMEngine, KeyRing | None, list[Path]]:
             raise StartError(str(exc), 2) from None
     kwargs = settings.engine_kwargs()
     if kwargs["model"] is None:
-        from lora_guard.demo import DemoError, prepare_demo
+        from lora_guard.demo.model import DemoError, prepare_demo
 
         try:
             demo = prepare_demo()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lora_guard.bench.engine import main
-from lora_guard.testing import AdapterFactory
+from lora_guard.demo.testing import AdapterFactory
 
 
 def test_the_engine_bench_runs_the_engine_and_peft_in_turn_and_prints_each_runs_ratios(

@@ -11,7 +11,7 @@ from lora_guard.bench.capacity import Capacity, arrival_rate, mean_rate_factor
 from lora_guard.bench.compass import compass, compass_lines
 from lora_guard.bench.report import aggregate
 from lora_guard.bench.run import replay_order
-from lora_guard.bench.workload import WorkloadSpec, make_trace
+from lora_guard.workload.trace import WorkloadSpec, make_trace
 
 
 def _scheme(**figures: object) -> dict[str, object]:

@@ -15,8 +15,8 @@ from lora_guard.bench.llama_cpp_peer import SLOT_TOKENS, llama_cpp_launch
 from lora_guard.bench.load import Reply, busy_throughput
 from lora_guard.bench.sweep import Point, knee, saturated, sweep_targets, target_lines
 from lora_guard.bench.systems import _by_lora_list
-from lora_guard.bench.workload import TraceRequest
-from lora_guard.testing import AdapterFactory
+from lora_guard.demo.testing import AdapterFactory
+from lora_guard.workload.trace import TraceRequest
 
 
 def point(clients: int, tokens_per_s: float, ttft_p95_ms: float = 100.0) -> Point:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lora_guard.bench.virtual_time import main, virtual_clock
-from lora_guard.bench.workload import TraceError
+from lora_guard.workload.trace import TraceError
 
 ARGS = ["--requests", "16", "--adapters", "8", "--max-loras", "2", "--output-mean", "24",
         "--schemes", "lru,lora-guard"]  # fmt: skip

@@ -22,12 +22,12 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lora_guard import LLM, SamplingParams
-from lora_guard.adapter_maker import make_adapters
+from lora_guard.demo.adapters import make_adapters
+from lora_guard.demo.testing import make_tiny_llama
 from lora_guard.engine import RequestError
 from lora_guard.engine.lora import AdapterError, LoRAAdapter, read_adapter
 from lora_guard.engine.lora.checkpoint import largest_adapter_bytes
-from lora_guard.engine.model import ModelSpec
-from lora_guard.testing import make_tiny_llama
+from lora_guard.engine.spec import ModelSpec
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 WEIGHTS = "adapter_model.safetensors"

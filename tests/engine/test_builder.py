@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lora_guard import LLM, SamplingParams
-from lora_guard.adapter_maker import make_adapters
+from lora_guard.demo.adapters import make_adapters
 from lora_guard.engine import RequestError, UnknownAdapterError
 from lora_guard.engine.llm_engine import LLMEngine
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lora_guard import LLM, SamplingParams
-from lora_guard.paths import DemoPaths
-from lora_guard.testing import reference_greedy
+from lora_guard.demo.paths import DemoPaths
+from lora_guard.demo.testing import reference_greedy
 
 NEW_TOKENS = 12
 

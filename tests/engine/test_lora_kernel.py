@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from lora_guard import LLM, SamplingParams
+from lora_guard.demo.testing import AdapterFactory
 from lora_guard.engine.config import ConfigError
 from lora_guard.engine.lora import kernel
 from lora_guard.engine.lora.compute import LoraBatch, LoraSegment, kernel_plan
 from lora_guard.engine.lora.pool import ModulePart, ProjectionWeights
 from lora_guard.engine.threads import openmp_libraries, serial_thread, serially
-from lora_guard.testing import AdapterFactory
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,9 @@ from transformers import (
 )
 
 from lora_guard import LLM, SamplingParams
-from lora_guard.adapter_maker import make_adapters
+from lora_guard.demo.adapters import make_adapters
+from lora_guard.demo.testing import make_tiny_llama, make_tiny_tokenizer, reference_greedy
 from lora_guard.engine import ModelLoadError
-from lora_guard.testing import make_tiny_llama, make_tiny_tokenizer, reference_greedy
 
 NEW_TOKENS = 12
 PARAMS = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)

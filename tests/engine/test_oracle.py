@@ -11,8 +11,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from lora_guard import LLM, SamplingParams
-from lora_guard.adapter_maker import make_adapters
-from lora_guard.testing import reference_greedy
+from lora_guard.demo.adapters import make_adapters
+from lora_guard.demo.testing import reference_greedy
 
 NEW_TOKENS = 10
 

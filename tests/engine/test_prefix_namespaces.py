@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from lora_guard import LLM, SamplingParams
-from lora_guard.adapter_maker import make_adapters
-from lora_guard.testing import reference_greedy
+from lora_guard.demo.adapters import make_adapters
+from lora_guard.demo.testing import reference_greedy
 
 PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
 

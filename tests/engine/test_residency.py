@@ -16,11 +16,11 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from lora_guard import LLM, SamplingParams
+from lora_guard.demo.testing import AdapterFactory, SoloGreedy
 from lora_guard.engine.llm_engine import LLMEngine, RequestOutput
 from lora_guard.engine.lora import read_adapter
 from lora_guard.engine.lora.compute import LoraBatch, LoraSegment
 from lora_guard.plugins import hookimpl
-from lora_guard.testing import AdapterFactory, SoloGreedy
 
 NUM_ADAPTERS = 7
 PAGE_BYTES = 2 * 2 * 4 * 2 * 16 * 4  # layers * k/v * block tokens * kv heads * head dim * fp32

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from lora_guard.demo.testing import AdapterFactory
 from lora_guard.engine import LLM, SamplingParams
 from lora_guard.engine.config import ConfigError
 from lora_guard.engine.llm_engine import StepRecord
 from lora_guard.simulate_costs import MIB, Costs, fit_steps, read_step_log, with_step_fit
-from lora_guard.testing import AdapterFactory
 
 
 def test_each_step_is_logged_with_what_it_computed(

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from lora_guard import LLM, SamplingParams
-from lora_guard.adapter_maker import make_adapters
-from lora_guard.bench.hit_rate import belady_hit_rate, zipf_trace
+from lora_guard.demo.adapters import make_adapters
 from lora_guard.plugins import hookimpl
 from lora_guard.plugins.state import RequestView
+from lora_guard.workload.bounds import belady_hit_rate, zipf_trace
 
 NUM_ADAPTERS, SLOTS, REQUESTS, PER_STEP = 24, 8, 480, 2
 

@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lora_guard import LLM, SamplingParams
+from lora_guard.demo.testing import AdapterFactory
 from lora_guard.engine.llm_engine import RequestOutput
 from lora_guard.plugins import Load, hookimpl
 from lora_guard.plugins.decisions import AdapterDecision
 from lora_guard.plugins.state import EngineState, RequestView
-from lora_guard.testing import AdapterFactory
 
 NUM_ADAPTERS = 6
 MAX_STEPS = 3000

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from lora_guard import LLM, SamplingParams
+from lora_guard.demo.testing import AdapterFactory
 from lora_guard.plugins import hookimpl
 from lora_guard.plugins.state import EngineState
-from lora_guard.testing import AdapterFactory
 
 
 class LastState:

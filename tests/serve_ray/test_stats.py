@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from lora_guard import LLM, SamplingParams
-from lora_guard.serve_ray.ranking import AffinityRanker
+from lora_guard.demo.testing import AdapterFactory
+from lora_guard.routing import AffinityRanker
 from lora_guard.serve_ray.stats import (
     UNREPORTED_FREE_SEATS,
     adapter_of,
@@ -13,7 +14,6 @@ from lora_guard.serve_ray.stats import (
     room,
     routing_stats,
 )
-from lora_guard.testing import AdapterFactory
 
 
 def test_a_replica_reports_its_residents_seats_budget_and_loads(

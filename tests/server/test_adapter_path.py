@@ -24,7 +24,7 @@ from fastapi.testclient import TestClient
 
 import lora_guard
 from lora_guard import LLM
-from lora_guard.adapter_maker import make_adapters
+from lora_guard.demo.adapters import make_adapters
 from lora_guard.engine.async_engine import AsyncEngine
 from lora_guard.server.app import create_app
 from lora_guard.server.auth import ApiKey, KeyRing

@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lora_guard_tenant_quota as tenant_quota
 
 from lora_guard import LLM, SamplingParams
-from lora_guard.adapter_maker import make_adapters
+from lora_guard.demo.adapters import make_adapters
+from lora_guard.demo.testing import make_tiny_llama
 from lora_guard.engine import RequestOutput
 from lora_guard.plugins import (
     Defer,
@@ -30,7 +31,6 @@ from lora_guard.plugins import (
     make_plugin_manager,
 )
 from lora_guard.plugins.manager import DISABLE_AUTOLOAD_ENV
-from lora_guard.testing import make_tiny_llama
 
 PLUGIN = "lora_guard_tenant_quota"
 PROMPT = "The capital of France is"

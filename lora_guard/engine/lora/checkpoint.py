@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as load_safetensors
 
-from lora_guard.engine.model import FUSED_PROJECTIONS, LORA_TARGETS, ModelSpec
+from lora_guard.engine.spec import FUSED_PROJECTIONS, LORA_TARGETS, ModelSpec
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

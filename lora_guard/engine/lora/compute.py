@@ -26,7 +26,7 @@ import torch
 
 from lora_guard.engine.lora import kernel
 from lora_guard.engine.lora.pool import LayerWeights
-from lora_guard.engine.model import FUSED_PROJECTIONS
+from lora_guard.engine.spec import FUSED_PROJECTIONS
 
 MODES = ("auto", "kernel", "loop", "batched")
 PROJECTIONS = tuple(FUSED_PROJECTIONS)

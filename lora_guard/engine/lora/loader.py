@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from lora_guard.engine.lora.checkpoint import AdapterError, LoRAAdapter, read_adapter
-from lora_guard.engine.model import ModelSpec
+from lora_guard.engine.spec import ModelSpec
 from lora_guard.engine.threads import serial_thread
 
 

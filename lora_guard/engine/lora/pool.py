@@ -24,7 +24,7 @@ import torch
 
 from lora_guard.engine.kv_cache import KVCache
 from lora_guard.engine.lora.checkpoint import LoRAAdapter
-from lora_guard.engine.model import FUSED_PROJECTIONS, ModelSpec
+from lora_guard.engine.spec import FUSED_PROJECTIONS, ModelSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,16 @@ each time it finds the adapter gone (parked). A policy that loads an adapter onl
 missed cannot hit more often, on its own sequence of binds and from its own start state, than
 Belady's offline optimum on that sequence with the same slots and start; nor more often than every
 bind but the first of each adapter that was not resident at the start (the compulsory misses).
+
+``offline_best_loads(adapters, replicas, seats)``, the yardstick for routers, is the loads of
+Belady's optimal eviction over one pool of ``replicas * seats`` seats, starting empty, on the
+trace's adapter ids in order (the base model's requests, None, need none). It is a lower bound for
+any router and any eviction in the replicas, on that order of uses: the adapters resident across
+the fleet at any moment are at most ``replicas * seats`` distinct ones, so the fleet can be read as
+one pooled cache that loads only when no replica holds the adapter. An engine that serves the
+requests in flight in another order (batching those of a resident adapter first) uses its
+adapters in a slightly different order; when the trace names no more distinct adapters than the
+pooled seats, the bound is the number of distinct adapters, which no order can beat.
 """
 
 from __future__ import annotations
@@ -54,3 +64,11 @@ def compulsory_hit_bound(trace: Sequence[object], start: Collection[object] = ()
         return 1.0
     first_reads = len(set(trace) - set(start))
     return (len(trace) - first_reads) / len(trace)
+
+
+def offline_best_loads(adapters: Sequence[str | None], replicas: int, seats: int) -> int:
+    """Belady's loads over ``replicas * seats`` pooled seats on the adapter ids of a trace."""
+    if replicas < 1 or seats < 1:
+        raise ValueError("replicas and seats must be at least 1")
+    uses = [a for a in adapters if a is not None]
+    return len(uses) - belady_hits(uses, replicas * seats)

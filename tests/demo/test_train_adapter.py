@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from lora_guard.personas import (
+from lora_guard.demo.personas import (
     HELD_OUT,
     TEMPLATES,
     TOPICS,
     cut_after_json,
     training_questions,
 )
-from lora_guard.train_adapter import repeats_itself
+from lora_guard.demo.training import repeats_itself
 
 
 def _train(*args: str) -> subprocess.CompletedProcess[str]:

@@ -1,5 +1,5 @@
 """Persona adapters: what each persona is told, the questions it learns on, and where the trained
-adapters ship (``lora_guard/personas/<name>/``, copied into the demo's adapters as
+adapters ship (``lora_guard/demo/personas/<name>/``, copied into the demo's adapters as
 ``persona-<name>``).
 
 A persona is learned by context distillation (``lora-guard train-adapter``): the base model,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lora_guard.serve_ray.offline_best import offline_best_loads
+from lora_guard.workload.bounds import offline_best_loads
 
 
 def test_belady_over_pooled_seats_on_a_small_trace() -> None:

@@ -9,7 +9,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from lora_guard.adapter_maker import (
+from lora_guard.demo.adapters import (
     ATTENTION_MODULES,
     MLP_MODULES,
     AdapterMakerError,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lora_guard.bench.stats import percentile
-from lora_guard.bench.workload import (
+from lora_guard.workload.stats import percentile
+from lora_guard.workload.trace import (
     TraceError,
     TraceRequest,
     WorkloadSpec,

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_guard.paths import DemoPaths, lora_guard_home
+from lora_guard.demo.paths import DemoPaths, lora_guard_home
 
 
 def test_home_comes_from_lora_guard_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

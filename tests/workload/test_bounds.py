@@ -9,7 +9,7 @@ from collections import OrderedDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lora_guard.bench.hit_rate import belady_hits, compulsory_hit_bound
+from lora_guard.workload.bounds import belady_hits, compulsory_hit_bound
 
 
 def lru_hits(trace: list[int], slots: int, start: list[int]) -> int:

