@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from lora_guard.policies.victims import engine_order
+from lora_guard.policies.victims import ResidentView, eviction_order
 from lora_guard.routing import AffinityRanker, ReplicaView
 from lora_guard.simulate_costs import Costs, read_costs
 from lora_guard.workload.stats import percentile
@@ -206,13 +206,13 @@ class _Fleet:
         return write_ms
 
     def _evict(self, replica: Replica, demand: Collection[str | None], now: float) -> bool:
-        """Free a seat as the engine does: the least recently used adapter no request needs,
-        else the least recently used whose quantum is over; False when none may leave."""
-        order = engine_order(
-            (a, a in demand, seat.last_used)
+        """Free a seat with the engine's own choice (``policies.victims.eviction_order``); False
+        when none may leave."""
+        views = [
+            ResidentView(a, seat.last_used, seat.loaded_at, needed=a in demand)
             for a, seat in replica.resident.items()
-            if a not in demand or now - seat.loaded_at >= replica.quantum_s
-        )
+        ]
+        order = eviction_order(views, now, replica.quantum_s)
         if not order:
             return False
         del replica.resident[order[0]]

@@ -239,7 +239,7 @@ def measure_loads(llm: LLM, adapter_ids: Sequence[str], repeats: int = 3) -> lis
             assert resident is not None and resident.content_hash == adapter.content_hash
             started = time.perf_counter()
             residency.evict(resident)
-            need = Need(adapter_id, None, None, residency)
+            need = Need(adapter_id, None, None)
             placed = residency.acquire(need, None, engine.scheduler.running)
             writes.append((time.perf_counter() - started) * 1000)
             assert placed is not None

@@ -1,9 +1,9 @@
 """Paged KV cache: one preallocated pool of fixed-size blocks, block tables, prefix caching.
 
 A full block is keyed by a chained hash of (parent key, namespace, its token ids). The namespace
-keeps blocks of different adapters (and, by policy, tenants) apart: the default is
-(base model id, adapter id, adapter content hash). Each block also records its scope, the weights
-that computed it (base model id, adapter id, adapter content hash). Every hit is verified: tokens
+keeps blocks of different adapters (and, by policy, tenants) apart: the default is the request's
+scope. Each block also records its scope (``CacheScope``: base model id, adapter id, adapter
+content hash), the weights that computed it. Every hit is verified: tokens
 and namespace must match, and a hit whose scope differs from the request's is a conflict, counted
 and refused unless the caller's ``may_reuse`` allows it (an explicit observe mode that shows the
 hazard). Free
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lora_guard.engine.sequence import Sequence
+from lora_guard.engine.sequence import CacheScope, Sequence
 
 
 @dataclass(slots=True)
@@ -32,7 +32,7 @@ class Block:
     key: int | None = None
     token_ids: tuple[int, ...] = ()
     namespace: Hashable = None
-    scope: Hashable = None
+    scope: CacheScope | None = None  # the weights that computed it
 
 
 def block_key(parent: int | None, namespace: Hashable, token_ids: tuple[int, ...]) -> int:
@@ -160,7 +160,7 @@ class BlockManager:
             self.reserved.remove(page)
             self._free[page] = None
 
-    def demote(self, scope_matches: Callable[[Hashable], bool]) -> None:
+    def demote(self, scope_matches: Callable[[CacheScope | None], bool]) -> None:
         """Make the free cached blocks whose scope matches the first to be reused."""
         for block_id in [b for b in self._free if scope_matches(self.blocks[b].scope)]:
             self._free.move_to_end(block_id, last=False)

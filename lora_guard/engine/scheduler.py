@@ -23,7 +23,7 @@ from types import MappingProxyType
 from lora_guard.engine.kv_cache import Block, BlockManager
 from lora_guard.engine.lora.checkpoint import AdapterError
 from lora_guard.engine.lora.residency import Lookup, Need, ResidencyManager, Resident
-from lora_guard.engine.sequence import Sequence, Status
+from lora_guard.engine.sequence import CacheScope, Sequence, Status
 from lora_guard.plugins.decisions import Defer, Load, Reject
 from lora_guard.plugins.manager import Hooks
 from lora_guard.plugins.state import EngineState, SlotView
@@ -207,7 +207,7 @@ class Scheduler:
     def bind_cache(self, seq: Sequence, content_hash: str | None) -> None:
         """Set ``seq``'s prefix-cache scope (the weights its KV is computed under) and namespace
         (the key its blocks are shared by: the scope, unless a plugin says otherwise)."""
-        scope = ("base", self.model_id, "adapter", seq.adapter_id, "weights", content_hash)
+        scope = CacheScope(self.model_id, seq.adapter_id, content_hash)
         namespace = None
         if self.hooks.has("lora_guard_cache_namespace"):
             namespace = self.hooks.cache_namespace(
@@ -245,7 +245,7 @@ class Scheduler:
             tried.add(seq.adapter_id)
             parked = seq.status is Status.RUNNING
             need = self.adapters.need(seq)
-            if parked and need.version_gone:
+            if parked and self.adapters.version_gone(need):
                 # Its weights were replaced while it was parked: start it again under the new
                 # ones rather than mix two versions in one KV.
                 self.preempt(seq)
@@ -265,13 +265,13 @@ class Scheduler:
 
     def _bring_in(self, seq: Sequence, parked: bool, need: Need) -> None:
         """Ask the policies, then the pool, for ``seq``'s adapter (adapter-load decisions)."""
-        tier = need.tier
+        tier = self.adapters.tier(need.adapter_id)
         self._note_lookup(seq, tier)
         seat, evict = None, tuple[int, ...]()
         if tier in (Lookup.WARM, Lookup.COLD) and self.hooks.has("lora_guard_adapter_load"):
             decision = self.hooks.adapter_load(
                 request=seq.view(), tier=tier.value, state=self.state(), parked=parked,
-                evicts=need.evicts,
+                evicts=self.adapters.load_evicts(need.adapter_id),
             )  # fmt: skip
             if isinstance(decision, Defer):
                 return
@@ -354,7 +354,7 @@ class Scheduler:
                 continue  # failed or rejected this step
             need = self._need(seq)
             if need is not None:
-                self._note_lookup(seq, need.tier)
+                self._note_lookup(seq, self.adapters.tier(need.adapter_id))
             ready, entry = self._ready(seq, need)
             if not ready:
                 continue  # its adapter is loading or deferred; the others go on
@@ -423,8 +423,8 @@ class Scheduler:
         Returns the weights' content hash (None for the base model)."""
         evicts = False
         if seq.adapter_id is not None:
-            need = self.adapters.need(seq)
-            tier, evicts = need.tier, need.evicts
+            tier = self.adapters.tier(seq.adapter_id)
+            evicts = self.adapters.load_evicts(seq.adapter_id)
             if tier in (Lookup.WARM, Lookup.COLD) and self.hooks.has("lora_guard_adapter_load"):
                 decision = self.hooks.adapter_load(
                     request=seq.view(), tier=tier.value, state=self.state(), parked=False,

@@ -12,6 +12,18 @@ from lora_guard.engine.sampling import SamplingParams
 from lora_guard.plugins.state import RequestView
 
 
+@dataclass(frozen=True, slots=True)
+class CacheScope:
+    """The weights a request's KV is computed under: the base model, the adapter (None: the base
+    model alone) and the adapter's content hash. Cached blocks record it; a hit under another
+    scope is a conflict. Equal only to another ``CacheScope``, so a plugin's namespace never
+    collides with it."""
+
+    base_model: str
+    adapter_id: str | None = None
+    adapter_hash: str | None = None
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -42,7 +54,7 @@ class Sequence:
     arrival_time: float = 0.0
     cache_salt: str | None = None
     cache_namespace: Hashable = None
-    cache_scope: Hashable = None
+    cache_scope: CacheScope | None = None
     waited_steps: int = 0
     adapter_looked_up: bool = False
     status: Status = Status.WAITING

@@ -132,7 +132,8 @@ def lora_guard_cache_reuse(
     ``kv_namespace_conflict``.
 
     :param request: the request being admitted.
-    :param block_scope: (base model, adapter id, adapter hash) that computed the block.
+    :param block_scope: the ``CacheScope`` (``base_model``, ``adapter_id``, ``adapter_hash``) that
+        computed the block.
     :param request_scope: the same for the request.
     :return: True to reuse the block anyway (observe mode, to show the hazard), False or None to
         refuse it.

@@ -10,18 +10,18 @@ import torch
 
 from lora_guard import LLM, SamplingParams
 from lora_guard.engine.kv_cache import Block, BlockManager, KVCache
-from lora_guard.engine.sequence import Sequence
+from lora_guard.engine.sequence import CacheScope, Sequence
 
 NS = ("ns", 1)
 OTHER_NS = ("ns", 2)
 
 
 def make_seq(
-    tokens: list[int], namespace: Hashable = NS, request_id: str = "r", scope: Hashable = "w1"
+    tokens: list[int], namespace: Hashable = NS, request_id: str = "r", scope: str = "w1"
 ) -> Sequence:
     seq = Sequence(request_id, list(tokens), SamplingParams(), adapter_id=None)
     seq.cache_namespace = namespace
-    seq.cache_scope = scope
+    seq.cache_scope = CacheScope("base", "adapter", scope)
     return seq
 
 
@@ -303,7 +303,11 @@ def test_may_reuse_decides_scope_mismatches_and_they_are_still_counted() -> None
 
     assert second.num_cached_tokens == 8
     assert bm.stats.conflicts == 2  # one per reused block
-    assert seen and all(pair == ("weights-a", "weights-b") for pair in seen)
+    scopes = (
+        CacheScope("base", "adapter", "weights-a"),
+        CacheScope("base", "adapter", "weights-b"),
+    )
+    assert seen and all(pair == scopes for pair in seen)
 
 
 def test_may_reuse_is_not_asked_when_scopes_match() -> None:

@@ -37,7 +37,7 @@ from lora_guard.engine.lora.registry import AdapterEntry, AdapterRegistry
 from lora_guard.engine.sequence import Sequence, Status
 from lora_guard.engine.usage import AdapterUsage
 from lora_guard.plugins.manager import Hooks
-from lora_guard.policies.victims import engine_order
+from lora_guard.policies.victims import ResidentView, eviction_order, kv_order, may_leave
 
 log = logging.getLogger(__name__)
 
@@ -90,37 +90,14 @@ class AdapterStats:
 
 @dataclass(frozen=True, slots=True)
 class Need:
-    """Where a request's adapter stands, seen from that request: the one question the scheduler
-    asks about a request (:meth:`ResidencyManager.need`). ``resident`` is answered at once (every
-    step asks it of every request); the rest only when asked, from the pool as it is then."""
+    """Where a request's adapter stands, seen from that request (:meth:`ResidencyManager.need`):
+    the adapter, the version a running request computes with, and the weights it computes with
+    when they are in the pool. What else the scheduler asks of it (``tier``, ``load_evicts``,
+    ``version_gone``) it asks the residency manager, from the pool as it is then."""
 
     adapter_id: str
     started_under: str | None  # the version a running request computes with
     resident: Resident | None  # the weights it computes with, when they are in the pool
-    residency: ResidencyManager = field(repr=False)
-
-    @property
-    def tier(self) -> Lookup:
-        """Where its current weights are. Raises :class:`AdapterError` for an adapter no longer
-        registered."""
-        return self.residency.tier(self.adapter_id)
-
-    @property
-    def evicts(self) -> bool:
-        """Whether bringing its current weights in now evicts an adapter that requests still
-        need (thrash)."""
-        return self.residency.load_evicts(self.adapter_id)
-
-    @property
-    def version_gone(self) -> bool:
-        """Whether it started under weights that are neither resident nor current."""
-        host = self.residency.host.entries.get(self.adapter_id)
-        return (
-            self.started_under is not None
-            and self.resident is None
-            and host is not None
-            and host.content_hash != self.started_under
-        )
 
 
 @dataclass(slots=True)
@@ -253,7 +230,18 @@ class ResidencyManager:
             resident = self.current(adapter_id)
         else:
             resident = self._version(adapter_id, started_under)
-        return Need(adapter_id, started_under, resident, self)
+        return Need(adapter_id, started_under, resident)
+
+    def version_gone(self, need: Need) -> bool:
+        """Whether ``need``'s request started under weights that are neither resident nor
+        current."""
+        host = self.host.entries.get(need.adapter_id)
+        return (
+            need.started_under is not None
+            and need.resident is None
+            and host is not None
+            and host.content_hash != need.started_under
+        )
 
     def load_evicts(self, adapter_id: str) -> bool:
         """Whether bringing ``adapter_id``'s current weights in now evicts an adapter (or, in
@@ -298,9 +286,8 @@ class ResidencyManager:
         (thrash). Taking a free seat and free pages, or those of adapters no request needs, is
         not."""
         now = time.monotonic()
-        idle = [
-            e for e in self.residents() if not self.demand[e.adapter_id] and self.evictable(e, now)
-        ]
+        order = eviction_order(self.resident_views(), now, self.quantum_s)
+        idle = [e for e in order if not self.demand[e.adapter_id]]
         if all(entry is not None for entry in self.seats) and not idle:
             return True
         pages = self._pages_needed(adapter_id)
@@ -325,25 +312,34 @@ class ResidencyManager:
         entry.in_step += 1
         entry.last_used = time.monotonic()
 
+    def resident_views(self) -> list[ResidentView[Resident]]:
+        """The residents as the victim choice sees them (``policies.victims``)."""
+        return [self._view(entry) for entry in self.residents()]
+
+    def _view(self, entry: Resident) -> ResidentView[Resident]:
+        """Held: used by the step being formed, pinned, or old weights running requests still
+        compute with. Needed: requests need its current weights (old weights never are)."""
+        users = self.bound[entry.adapter_id, entry.content_hash]
+        pinned = entry.adapter_id in self.usage.pinned and not entry.stale
+        return ResidentView(
+            entry,
+            entry.last_used,
+            entry.loaded_at,
+            needed=not entry.stale and self.demand[entry.adapter_id] > 0,
+            held=bool(entry.in_step) or pinned or (entry.stale and users > 0),
+        )
+
     def evictable(self, entry: Resident, now: float) -> bool:
-        """Whether ``entry`` may leave the pool now: not pinned, not used by the step being
-        formed, not the old weights of running requests, and either no request needs it or it
-        has been resident for its quantum."""
-        if entry.in_step or (entry.adapter_id in self.usage.pinned and not entry.stale):
-            return False
-        if entry.stale:
-            return self.bound[entry.adapter_id, entry.content_hash] == 0
-        return self.demand[entry.adapter_id] == 0 or now - entry.loaded_at >= self.quantum_s
+        """Whether ``entry`` may leave the pool now (``policies.victims.may_leave``)."""
+        return may_leave(self._view(entry), now, self.quantum_s)
 
     def choose_seat(self, now: float) -> int | None:
-        """A free seat, else the seat of the adapter to evict: one no request needs (least
-        recently used first), else the least recently used one requests need whose quantum
-        is over."""
+        """A free seat, else the seat of the engine's first victim
+        (``policies.victims.eviction_order``)."""
         for seat, entry in enumerate(self.seats):
             if entry is None:
                 return seat
-        order = engine_order((e, self.demand[e.adapter_id] > 0, e.last_used)
-                             for e in self.residents() if self.evictable(e, now))  # fmt: skip
+        order = eviction_order(self.resident_views(), now, self.quantum_s)
         return order[0].seat if order else None
 
     def acquire(
@@ -392,11 +388,8 @@ class ResidencyManager:
         freed = self.blocks.num_free_blocks + sum(v.num_pages for v in victims)
         if freed < layout.num_pages:
             named = [self.seats[s] for s in evict if 0 <= s < len(self.seats)]
-            idle = engine_order(
-                (e, False, e.last_used)
-                for e in self.residents()
-                if e not in victims and self.evictable(e, now) and not self.demand[e.adapter_id]
-            )
+            order = eviction_order(self.resident_views(), now, self.quantum_s)
+            idle = [e for e in order if e not in victims and not self.demand[e.adapter_id]]
             chosen = [e for e in named if e is not None and self.evictable(e, now)]
             for extra in dict.fromkeys([*chosen, *idle]):
                 if extra in victims:
@@ -431,21 +424,14 @@ class ResidencyManager:
         return entry
 
     def evict_for_kv(self, keep: Resident | None) -> bool:
-        """Evict the least recently used adapter that no request of the step being formed uses
-        (not pinned, not ``keep``, not old weights that running requests still need), to give
-        its pages to KV blocks; False when there is none. KV in use outranks the quantum: the
-        requests that need the adapter wait for it, parked or queued."""
-        candidates = [
-            e
-            for e in self.residents()
-            if e is not keep
-            and not e.in_step
-            and e.adapter_id not in self.usage.pinned
-            and not (e.stale and self.bound[e.adapter_id, e.content_hash])
-        ]
-        if not candidates:
+        """Evict the least recently used adapter that may give its pages to KV blocks
+        (``policies.victims.kv_order``), other than ``keep``; False when there is none. KV in use
+        outranks the quantum: the requests that need the adapter wait for it, parked or
+        queued."""
+        order = kv_order(v for v in self.resident_views() if v.resident is not keep)
+        if not order:
             return False
-        self.evict(engine_order((e, False, e.last_used) for e in candidates)[0])
+        self.evict(order[0])
         return True
 
     def evict(self, entry: Resident) -> None:
@@ -461,7 +447,7 @@ class ResidencyManager:
                 other.layers = self.pool.views(other.layout, other.first_page)
         self.top -= n
         self.blocks.release_pages(range(self.top, self.top + n))
-        self.blocks.demote(lambda scope: _scope_adapter(scope) == entry.adapter_id)
+        self.blocks.demote(lambda scope: scope is not None and scope.adapter_id == entry.adapter_id)
         self.stats.evictions += 1
         if self.events is not None:
             self.events.notify(
@@ -560,8 +546,3 @@ class ResidencyManager:
             users = self.bound[entry.adapter_id, entry.content_hash]
             if entry.stale and entry.in_step == 0 and not users:
                 self.evict(entry)
-
-
-def _scope_adapter(scope: object) -> object:
-    """The adapter id in a KV block's scope (see ``Scheduler.bind_cache``)."""
-    return scope[3] if isinstance(scope, tuple) and len(scope) > 3 else None
