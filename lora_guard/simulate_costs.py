@@ -221,9 +221,11 @@ def measure_loads(llm: LLM, adapter_ids: Sequence[str], repeats: int = 3) -> lis
     """Each adapter read from its folder, and written into the pool over itself evicted (the
     median of ``repeats``)."""
     from lora_guard.engine.lora import read_adapter
-    from lora_guard.engine.lora.residency import Need
+    from lora_guard.engine.lora.residency import ResidencyManager
+    from lora_guard.engine.lora.tiers import Need
 
     engine = llm.engine
+    assert isinstance(engine.adapters, ResidencyManager), "loads are measured on the pool"
     residency, spec, max_rank = engine.adapters, engine.model.spec, engine.config.max_lora_rank
     samples = []
     for adapter_id in adapter_ids:
@@ -239,7 +241,7 @@ def measure_loads(llm: LLM, adapter_ids: Sequence[str], repeats: int = 3) -> lis
             assert resident is not None and resident.content_hash == adapter.content_hash
             started = time.perf_counter()
             residency.evict(resident)
-            need = Need(adapter_id, None, None)
+            need = Need(adapter_id, None, ready=False)
             placed = residency.acquire(need, None, engine.scheduler.running)
             writes.append((time.perf_counter() - started) * 1000)
             assert placed is not None
@@ -351,12 +353,15 @@ def _make_resident(llm: LLM, adapter_ids: Sequence[str]) -> None:
 
     llm.generate(["Warm-up."] * len(adapter_ids), SamplingParams(max_new_tokens=1, ignore_eos=True),
                  list(adapter_ids))  # fmt: skip
-    missing = [a for a in adapter_ids if llm.engine.adapters.current(a) is None]
+    missing = [a for a in adapter_ids if a not in llm.engine.adapters.resident_adapters()]
     if missing:
         raise ValueError(f"calibration needs every adapter resident at once; not: {missing}")
 
 
 def _resident_mib(llm: LLM, adapter_id: str) -> float:
+    from lora_guard.engine.lora.residency import ResidencyManager
+
+    assert isinstance(llm.engine.adapters, ResidencyManager)
     entry = llm.engine.adapters.current(adapter_id)
     assert entry is not None
     return entry.layout.nbytes / MIB

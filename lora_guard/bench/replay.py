@@ -117,8 +117,8 @@ class BindRecorder:
     """Observes adapter lookups (one per request, hot or not) and binds (each time a request's
     adapter became usable, with how long it waited), with their times."""
 
-    def __init__(self, start: float, merged: bool) -> None:
-        self.start, self.merged = start, merged
+    def __init__(self, start: float) -> None:
+        self.start = start
         self.lookups: list[tuple[float, bool]] = []
         self.binds: list[Bind] = []
 
@@ -126,9 +126,6 @@ class BindRecorder:
     def lora_guard_adapter_lookup(self, request: RequestView, result: str) -> None:
         now = time.monotonic() - self.start
         self.lookups.append((now, result == "hot"))
-        if self.merged and request.adapter_id is not None:
-            # Merged weights are bound once per request: its lookup is its only bind.
-            self.binds.append(Bind(now, request.adapter_id, result == "hot", None))
 
     @hookimpl
     def lora_guard_adapter_ready(self, request: RequestView, wait_ms: float) -> None:
@@ -156,14 +153,10 @@ def replay_scheme(
     evictions_before = engine.adapters.stats.evictions
     conflicts_before = engine.blocks.stats.conflicts
     cold_before = _cold_load_counts(engine)
-    merged = engine.adapters.merged
-    start_resident = (
-        (merged.adapter_id,) if merged is not None
-        else tuple(e.adapter_id for e in engine.adapters.residents() if not e.stale)
-    )  # fmt: skip
+    start_resident = engine.adapters.resident_adapters()
     steps_before = engine.stats.steps
     start = time.monotonic()
-    recorder = BindRecorder(start, engine.adapters.merged_mode)
+    recorder = BindRecorder(start)
     engine.hooks.pm.register(recorder, name="bench-lookups")
     memory = MemoryWatch(engine)
     steps: list[StepRecord] = []

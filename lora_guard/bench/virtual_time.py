@@ -312,7 +312,7 @@ def run_scheme(
         engine = llm.engine
         loads = engine.adapters.stats.loads
         resident = tuple(e.adapter_id for e in engine.adapters.residents() if not e.stale)
-        recorder = BindRecorder(clock.now, merged=False)
+        recorder = BindRecorder(clock.now)
         engine.hooks.pm.register(recorder, name="virtual-time-binds")
         replay.peak_kv_blocks = 0
         records, rejected = replay.run(trace, adapters)

@@ -15,9 +15,11 @@ from lora_guard.engine.llm_engine import LLMEngine
 from lora_guard.engine.lora.checkpoint import read_adapter
 from lora_guard.engine.lora.compute import resolve_mode
 from lora_guard.engine.lora.loader import AdapterLoader, HostCache
+from lora_guard.engine.lora.merged import MergedResidency
 from lora_guard.engine.lora.pool import CachePool
 from lora_guard.engine.lora.registry import AdapterRegistry
 from lora_guard.engine.lora.residency import ResidencyManager
+from lora_guard.engine.lora.tiers import Residency
 from lora_guard.engine.model import LlamaModel
 from lora_guard.engine.request_check import RequestCheck
 from lora_guard.engine.runner import ModelRunner
@@ -99,23 +101,24 @@ def engine_from_config(
         model, pool, lora_compute, merge_for_good=config.static_adapter is not None
     )
     blocks = BlockManager(num_pages, config.block_size, config.enable_prefix_caching)
-    merged = config.lora_mode == "merged"
-    residency = ResidencyManager(
-        None if merged else pool,
+    tiers = (
         blocks,
         HostCache(config.max_cpu_loras),
         AdapterLoader(spec, config.max_lora_rank, config.torch_lora_dtype),
         AdapterRegistry(),
-        max_loras=config.max_loras,
-        quantum_s=config.residency_quantum_ms / 1000,
-        events=hooks,
-        merge=runner.merge if merged else None,
+        config.max_loras,
     )
+    residency: Residency
+    if config.lora_mode == "merged":
+        residency = MergedResidency(*tiers, merge=runner.merge, events=hooks)
+    else:
+        quantum_s = config.residency_quantum_ms / 1000
+        residency = ResidencyManager(pool, *tiers, events=hooks, quantum_s=quantum_s)
     if adapter_dir is not None:
         residency.registry.add_dir(Path(adapter_dir).expanduser())
     for adapter_id, path in (adapters or {}).items():
         residency.register(adapter_id, Path(path).expanduser())
-    if config.static_adapter is not None:
+    if isinstance(residency, MergedResidency) and config.static_adapter is not None:
         merge_static(residency, config.static_adapter, spec, config)
     scheduler = Scheduler(
         blocks, residency, hooks, model_id, config.max_batch_tokens, config.max_num_seqs,
@@ -142,7 +145,7 @@ def max_model_len(config: EngineConfig, spec: ModelSpec, num_pages: int) -> int:
 
 
 def merge_static(
-    residency: ResidencyManager, adapter_id: str, spec: ModelSpec, config: EngineConfig
+    residency: MergedResidency, adapter_id: str, spec: ModelSpec, config: EngineConfig
 ) -> None:
     """The static baseline: one adapter merged for good before serving starts (read in
     ``lora_dtype``, so it merges the values the pool would hold)."""
@@ -152,10 +155,7 @@ def merge_static(
     adapter = read_adapter(
         adapter_id, entry.path, spec, config.max_lora_rank, dtype=config.torch_lora_dtype
     )
-    residency.host.put(adapter)
-    binding = residency.acquire_merged(adapter_id)
-    assert binding is not None
-    residency.release_merged()
+    residency.merge_for_good(adapter)
 
 
 def model_name(model_dir: Path, hf_config: Any) -> str:

@@ -22,11 +22,12 @@ from types import MappingProxyType
 
 from lora_guard.engine.kv_cache import Block, BlockManager
 from lora_guard.engine.lora.checkpoint import AdapterError
-from lora_guard.engine.lora.residency import Lookup, Need, ResidencyManager, Resident
+from lora_guard.engine.lora.residency import Resident
+from lora_guard.engine.lora.tiers import Lookup, Need, Residency
 from lora_guard.engine.sequence import CacheScope, Sequence, Status
 from lora_guard.plugins.decisions import Defer, Load, Reject
 from lora_guard.plugins.manager import Hooks
-from lora_guard.plugins.state import EngineState, SlotView
+from lora_guard.plugins.state import EngineState
 
 
 @dataclass(slots=True)
@@ -61,7 +62,7 @@ class Scheduler:
     def __init__(
         self,
         blocks: BlockManager,
-        adapters: ResidencyManager,
+        adapters: Residency,
         hooks: Hooks,
         model_id: str,
         max_batch_tokens: int,
@@ -82,8 +83,8 @@ class Scheduler:
         self.waiting.append(seq)
         if seq.adapter_id is not None and self.adapters.arrived(seq):
             self._state = None  # its files changed on disk: read again
-        merged = self.adapters.merged_mode
-        if seq.adapter_id is not None and not merged and self.adapters.need(seq).resident is None:
+        need = self.adapters.need(seq)
+        if seq.adapter_id is not None and need is not None and not need.ready:
             seq.adapter_needed_at = time.monotonic()  # its wait for the adapter begins now
 
     def has_work(self) -> bool:
@@ -98,20 +99,7 @@ class Scheduler:
             self._state = EngineState(
                 step=self.num_steps,
                 now=now,
-                slots=tuple(
-                    SlotView(i, None, 0, 0.0)
-                    if e is None
-                    else SlotView(
-                        i,
-                        e.adapter_id,
-                        running[e.adapter_id],
-                        e.last_used,
-                        adapters.evictable(e, now),
-                        e.num_pages,
-                        e.loaded_at,
-                    )
-                    for i, e in enumerate(adapters.seats)
-                ),
+                slots=adapters.slot_views(running, now),
                 host_adapters=tuple(adapters.host.entries),
                 loading=frozenset(adapters.loader.pending),
                 memory_watermark=1 - blocks.num_free_blocks / blocks.num_blocks,
@@ -169,24 +157,19 @@ class Scheduler:
                 self.finish(seq)
                 out.failed.append(Failure(seq, str(error)))
         waiting = self.order_waiting()
-        if self.adapters.merged_mode:
-            budget = self._schedule_running(out, self.max_batch_tokens)
-            self._schedule_waiting_merged(out, waiting, budget)
-        else:
-            self.adapters.begin_step(
-                Counter(s.adapter_id for s in (*self.running, *self.waiting) if s.adapter_id),
-                Counter((s.adapter_id, s.adapter_hash) for s in self.running
-                        if s.adapter_id and s.adapter_hash),
-            )  # fmt: skip
-            self._bring_in_adapters(out, waiting)
-            budget = self._schedule_running(out, self.max_batch_tokens)
-            self._schedule_waiting(out, waiting, budget)
-            if not out.scheduled and self.running and self.adapters.short_of_pages:
-                # Every running request is parked and their KV leaves no room for the adapters
-                # they need: the newest gives its blocks back and is recomputed later.
-                victim = self.running[-1]
-                self.preempt(victim)
-                out.preempted.append(victim)
+        self.adapters.begin_step(
+            Counter(s.adapter_id for s in (*self.running, *self.waiting) if s.adapter_id),
+            Counter((s.adapter_id, s.adapter_hash) for s in self.running),
+        )
+        self._bring_in_adapters(out, waiting)
+        budget = self._schedule_running(out, self.max_batch_tokens)
+        self._schedule_waiting(out, waiting, budget)
+        if not out.scheduled and self.running and self.adapters.short_of_pages:
+            # Every running request is parked and their KV leaves no room for the adapters
+            # they need: the newest gives its blocks back and is recomputed later.
+            victim = self.running[-1]
+            self.preempt(victim)
+            out.preempted.append(victim)
         for seq in self.waiting:
             seq.waited_steps += 1
         self.num_steps += 1
@@ -227,7 +210,8 @@ class Scheduler:
         now = time.monotonic()
 
         def needs(seq: Sequence) -> bool:
-            if seq.adapter_id is None or self.adapters.need(seq).resident is not None:
+            need = self.adapters.need(seq)
+            if need is None or need.ready:
                 return False
             if seq.adapter_needed_at is None:
                 seq.adapter_needed_at = now
@@ -237,14 +221,14 @@ class Scheduler:
         needing = sorted(
             filter(needs, [*self.running, *waiting]), key=lambda s: s.adapter_needed_at or now
         )
-        tried: set[str] = set()
+        tried: set[str | None] = set()
         for seq in needing:
             if seq.adapter_id in tried or seq.status is Status.FINISHED:
                 continue
-            assert seq.adapter_id is not None
             tried.add(seq.adapter_id)
             parked = seq.status is Status.RUNNING
             need = self.adapters.need(seq)
+            assert need is not None
             if parked and self.adapters.version_gone(need):
                 # Its weights were replaced while it was parked: start it again under the new
                 # ones rather than mix two versions in one KV.
@@ -252,6 +236,7 @@ class Scheduler:
                 out.preempted.append(seq)
                 parked = False
                 need = self.adapters.need(seq)
+                assert need is not None
             try:
                 self._bring_in(seq, parked, need)
             except AdapterError as exc:
@@ -265,13 +250,14 @@ class Scheduler:
 
     def _bring_in(self, seq: Sequence, parked: bool, need: Need) -> None:
         """Ask the policies, then the pool, for ``seq``'s adapter (adapter-load decisions)."""
-        tier = self.adapters.tier(need.adapter_id)
+        tier = self.adapters.lookup(need)
         self._note_lookup(seq, tier)
         seat, evict = None, tuple[int, ...]()
-        if tier in (Lookup.WARM, Lookup.COLD) and self.hooks.has("lora_guard_adapter_load"):
+        asks = need.adapter_id is not None and tier in (Lookup.WARM, Lookup.COLD)
+        if asks and self.hooks.has("lora_guard_adapter_load"):
             decision = self.hooks.adapter_load(
                 request=seq.view(), tier=tier.value, state=self.state(), parked=parked,
-                evicts=self.adapters.load_evicts(need.adapter_id),
+                evicts=self.adapters.load_evicts(need),
             )  # fmt: skip
             if isinstance(decision, Defer):
                 return
@@ -283,33 +269,27 @@ class Scheduler:
                 seat, evict = decision.slot, decision.evict
         if tier is Lookup.LOADING:
             return
-        acquired = self.adapters.acquire(need, seat, self.running, parked=parked, evict=evict)
-        if acquired is not None:
-            self._state = None  # the pool changed
+        if self.adapters.bring_in(need, seat, self.running, parked=parked, evict=evict):
+            self._state = None  # the weights changed
 
     def _note_lookup(self, seq: Sequence, tier: Lookup) -> None:
-        if seq.adapter_looked_up or tier is Lookup.LOADING:
+        if seq.adapter_id is None or seq.adapter_looked_up or tier is Lookup.LOADING:
             return
         seq.adapter_looked_up = True
         self.adapters.stats.lookups[tier] += 1
         self.hooks.notify("lora_guard_adapter_lookup", request=seq.view(), result=tier.value)
 
-    def _need(self, seq: Sequence) -> Need | None:
-        """Where ``seq``'s adapter stands; None for the base model, and in merged mode."""
-        if seq.adapter_id is None or self.adapters.merged_mode:
-            return None
-        return self.adapters.need(seq)
-
-    def _ready(self, seq: Sequence, need: Need | None) -> tuple[bool, Resident | None]:
-        """Whether ``seq`` can compute this step, and the adapter weights it computes with."""
+    def _ready(self, seq: Sequence, need: Need | None) -> bool:
+        """Whether ``seq`` can compute this step (``need``: where its weights stand)."""
         if need is None:
-            return True, None
-        entry = need.resident
-        if entry is None:
+            return True
+        if not need.ready:
             if seq.status is Status.RUNNING and seq.parked_since is None:
                 seq.parked_since = seq.adapter_needed_at = time.monotonic()
-            return False, None
-        if seq.adapter_needed_at is not None or seq.parked_since is not None:
+            return False
+        if seq.adapter_id is None:
+            seq.adapter_needed_at = None
+        elif seq.adapter_needed_at is not None or seq.parked_since is not None:
             started = seq.adapter_needed_at or seq.parked_since or time.monotonic()
             wait_ms = (time.monotonic() - started) * 1000
             seq.adapter_needed_at = seq.parked_since = None
@@ -317,19 +297,20 @@ class Scheduler:
         elif not seq.adapter_ready_once:
             self.hooks.notify("lora_guard_adapter_ready", request=seq.view(), wait_ms=0.0)
         seq.adapter_ready_once = True
-        return True, entry
+        return True
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            ready, entry = self._ready(seq, self._need(seq))
-            if not ready:
+            need = self.adapters.need(seq)
+            if not self._ready(seq, need):
                 i += 1  # parked: its KV stays, its adapter comes back in a later step
                 continue
+            entry = need.resident if need is not None else None
             n = min(seq.num_uncomputed_tokens, budget)
             while not self.blocks.can_append(seq, n):
-                if not self.adapters.merged_mode and self.adapters.evict_for_kv(keep=entry):
+                if self.adapters.evict_for_kv(keep=entry):
                     self._state = None
                     continue  # an adapter's pages first, before anyone's KV
                 victim = self.running[-1]
@@ -340,8 +321,8 @@ class Scheduler:
             else:
                 self.blocks.append(seq, n)
                 out.scheduled.append(ScheduledSeq(seq, n, entry))
-                if entry is not None:
-                    self.adapters.use(entry)
+                if need is not None:
+                    self.adapters.use(need)
                 budget -= n
                 i += 1
         return budget
@@ -352,12 +333,13 @@ class Scheduler:
                 break
             if seq.status is not Status.WAITING:
                 continue  # failed or rejected this step
-            need = self._need(seq)
+            need = self.adapters.need(seq)
             if need is not None:
-                self._note_lookup(seq, self.adapters.tier(need.adapter_id))
-            ready, entry = self._ready(seq, need)
-            if not ready:
+                self._note_lookup(seq, self.adapters.lookup(need))
+            if not self._ready(seq, need):
                 continue  # its adapter is loading or deferred; the others go on
+            entry = need.resident if need is not None else None
+            content_hash = need.content_hash if need is not None else None
             if entry is not None and self._never_fits(seq, entry):
                 self.finish(seq)
                 out.failed.append(Failure(seq, (
@@ -365,47 +347,22 @@ class Scheduler:
                     f"than the cache pool's {self.blocks.num_blocks} pages"
                 )))  # fmt: skip
                 continue
-            self.bind_cache(seq, entry.content_hash if entry else None)
+            self.bind_cache(seq, content_hash)
             while not self.blocks.can_allocate(seq, budget, self.may_reuse):
                 if not self.adapters.evict_for_kv(keep=entry):
                     break
                 self._state = None
             if not self.blocks.can_allocate(seq, budget, self.may_reuse):
                 break
-            seq.adapter_hash = entry.content_hash if entry else None
+            seq.adapter_hash = content_hash
             self._admit(out, seq, budget, entry)
-            if entry is not None:
-                self.adapters.use(entry)
+            if need is not None:
+                self.adapters.use(need)
             budget = self.max_batch_tokens - out.num_tokens
 
     def _never_fits(self, seq: Sequence, entry: Resident) -> bool:
         tokens = seq.num_prompt_tokens + seq.params.max_new_tokens
         return self.blocks.blocks_for(tokens) + entry.num_pages > self.blocks.num_blocks
-
-    def _schedule_waiting_merged(
-        self, out: SchedulerOutput, waiting: list[Sequence], budget: int
-    ) -> None:
-        for seq in waiting:
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
-                break
-            try:
-                bound, content_hash = self._bind_merged(seq)
-            except AdapterError as exc:
-                self.finish(seq)
-                out.failed.append(Failure(seq, str(exc)))
-                continue
-            except _Rejected as rejected:
-                self.finish(seq)
-                out.failed.append(Failure(seq, rejected.reason, rejected.retry_after))
-                continue
-            if not bound:
-                continue
-            self.bind_cache(seq, content_hash)
-            if not self.blocks.can_allocate(seq, budget, self.may_reuse):
-                self._unbind(seq)
-                break
-            self._admit(out, seq, budget, None)
-            budget = self.max_batch_tokens - out.num_tokens
 
     def _admit(
         self, out: SchedulerOutput, seq: Sequence, budget: int, entry: Resident | None
@@ -418,36 +375,9 @@ class Scheduler:
         self.running.append(seq)
         out.scheduled.append(ScheduledSeq(seq, n, entry))
 
-    def _bind_merged(self, seq: Sequence) -> tuple[bool, str | None]:
-        """Merged mode: bind ``seq`` to the merged weights for its whole life; False means wait.
-        Returns the weights' content hash (None for the base model)."""
-        evicts = False
-        if seq.adapter_id is not None:
-            tier = self.adapters.tier(seq.adapter_id)
-            evicts = self.adapters.load_evicts(seq.adapter_id)
-            if tier in (Lookup.WARM, Lookup.COLD) and self.hooks.has("lora_guard_adapter_load"):
-                decision = self.hooks.adapter_load(
-                    request=seq.view(), tier=tier.value, state=self.state(), parked=False,
-                    evicts=self.adapters.merged is not None,
-                )  # fmt: skip
-                if isinstance(decision, Defer):
-                    return False, None
-                if isinstance(decision, Reject):
-                    if not self.reject_when_busy:
-                        return False, None
-                    raise _Rejected(decision.reason, decision.retry_after)
-            self._note_lookup(seq, tier)
-        binding = self.adapters.acquire_merged(seq.adapter_id, evicts=evicts)
-        if binding is None:
-            return False, None
-        self._state = None
-        seq.holds_merged = True
-        return True, binding.content_hash
-
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
-        self._unbind(seq)
         seq.status = Status.WAITING
         seq.adapter_hash = seq.parked_since = None
         seq.num_preemptions += 1
@@ -461,24 +391,17 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq)
-        self._unbind(seq)
         seq.status = Status.FINISHED
-
-    def _unbind(self, seq: Sequence) -> None:
-        if seq.holds_merged:
-            self.adapters.release_merged()
-            seq.holds_merged = False
 
     def check_no_leaks(self) -> None:
         """Raise AssertionError unless no sequence is left and no block or slot is held."""
         blocks, adapters = self.blocks, self.adapters
         assert blocks.num_used_blocks == 0, f"{blocks.num_used_blocks} KV blocks leaked"
-        held = adapters.merged_refs + sum(e.in_step for e in adapters.residents())
+        held = sum(e.in_step for e in adapters.residents())
         assert held == 0, f"{held} adapter references leaked"
         pages = sum(e.num_pages for e in adapters.residents())
-        assert pages == adapters.top == len(blocks.reserved), (
-            f"adapter pages leaked: {pages} in residents, top {adapters.top}, "
-            f"{len(blocks.reserved)} reserved"
+        assert pages == len(blocks.reserved), (
+            f"adapter pages leaked: {pages} in residents, {len(blocks.reserved)} reserved"
         )
         assert not self.has_work(), "scheduler still holds sequences"
 

@@ -66,7 +66,6 @@ class Sequence:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     adapter_hash: str | None = None  # the adapter weights it started under
-    holds_merged: bool = False  # holds a reference on the merged weights (merged mode)
     adapter_needed_at: float | None = None  # when it began to wait for its adapter
     parked_since: float | None = None  # running, but its adapter is out of the pool
     adapter_ready_once: bool = False

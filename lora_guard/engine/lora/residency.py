@@ -11,42 +11,30 @@ quantum: an adapter that running or waiting requests still need stays at least
 seats, when set, also cap how many are resident at once (0, the default: no cap, a free seat
 is always there and the pages alone decide, as in S-LoRA's unified paging).
 
-In merged mode (the ``on-demand`` and ``static`` baselines) there is no pool: one adapter at a
-time is merged into the base weights, and a switch waits until no running request uses the
-weights merged now.
+The registry, the host tier and the disk reads are every residency's (``tiers.py``); merged
+mode, the baselines' one adapter merged into the base weights at a time, is ``merged.py``.
 """
 
 from __future__ import annotations
 
-import enum
-import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from lora_guard.engine.kv_cache import BlockManager
-from lora_guard.engine.lora.checkpoint import AdapterError, LoRAAdapter, files_stamp
+from lora_guard.engine.lora.checkpoint import AdapterError, LoRAAdapter
 from lora_guard.engine.lora.compute import kernel_plan
 from lora_guard.engine.lora.loader import AdapterLoader, HostCache
 from lora_guard.engine.lora.pool import AdapterLayout, CachePool, LayerWeights
-from lora_guard.engine.lora.registry import AdapterEntry, AdapterRegistry
+from lora_guard.engine.lora.registry import AdapterRegistry
+from lora_guard.engine.lora.tiers import Lookup, Need, Residency
 from lora_guard.engine.sequence import Sequence, Status
-from lora_guard.engine.usage import AdapterUsage
 from lora_guard.plugins.manager import Hooks
+from lora_guard.plugins.state import SlotView
 from lora_guard.policies.victims import ResidentView, eviction_order, kv_order, may_leave
-
-log = logging.getLogger(__name__)
-
-
-class Lookup(str, enum.Enum):
-    HOT = "hot"
-    WARM = "warm"
-    COLD = "cold"
-    LOADING = "loading"
 
 
 @dataclass(eq=False)
@@ -77,40 +65,12 @@ class Resident:
         return self._plan[1]
 
 
-@dataclass
-class AdapterStats:
-    lookups: dict[Lookup, int] = field(default_factory=lambda: dict.fromkeys(Lookup, 0))
-    loads: int = 0
-    failures: int = 0
-    evictions: int = 0
-    changed_on_disk: int = 0  # adapters read again because their files changed
-    peak_resident: int = 0  # the most adapters resident at once
-    swap_ms: list[float] = field(default_factory=list)
+class ResidencyManager(Residency):
+    """Adapters paged into the cache pool beside the KV, in ``max_loras`` seats (see above)."""
 
-
-@dataclass(frozen=True, slots=True)
-class Need:
-    """Where a request's adapter stands, seen from that request (:meth:`ResidencyManager.need`):
-    the adapter, the version a running request computes with, and the weights it computes with
-    when they are in the pool. What else the scheduler asks of it (``tier``, ``load_evicts``,
-    ``version_gone``) it asks the residency manager, from the pool as it is then."""
-
-    adapter_id: str
-    started_under: str | None  # the version a running request computes with
-    resident: Resident | None  # the weights it computes with, when they are in the pool
-
-
-@dataclass(slots=True)
-class Binding:
-    """Merged mode: the request computes with the merged weights named ``content_hash``."""
-
-    content_hash: str | None
-
-
-class ResidencyManager:
     def __init__(
         self,
-        pool: CachePool | None,
+        pool: CachePool,
         blocks: BlockManager,
         host: HostCache,
         loader: AdapterLoader,
@@ -118,84 +78,27 @@ class ResidencyManager:
         max_loras: int,
         quantum_s: float = 1.0,
         events: Hooks | None = None,
-        merge: Callable[[LoRAAdapter | None], None] | None = None,
     ) -> None:
-        self.pool, self.blocks, self.host, self.loader = pool, blocks, host, loader
-        self.registry, self.events, self.merge = registry, events, merge
-        self.quantum_s = quantum_s
-        self.max_loras = max_loras  # 0: no seat cap
-        self.seats: list[Resident | None] = [None] * (0 if merge else max(max_loras, 1))
-        self.usage = AdapterUsage(max_loras)  # pins, heat and recent loads
+        super().__init__(blocks, host, loader, registry, max_loras, events)
+        self.pool, self.quantum_s = pool, quantum_s
+        self.seats = [None] * max(self.max_loras, 1)
         self.top = 0  # pages [0, top) hold adapters
-        self.stats = AdapterStats()
-        self.demand: Counter[str] = Counter()  # requests (running or waiting) per adapter
-        self.bound: Counter[tuple[str, str]] = Counter()  # running requests per version
-        self.short_of_pages = False
-        self.merged: LoRAAdapter | None = None
-        self.merged_refs = 0
         self._layouts: dict[str, AdapterLayout] = {}  # by content hash
-        self._load_started: dict[str, float] = {}  # disk reads under way: perf_counter at start
-        self._read_ms: dict[str, float] = {}  # read from disk, not yet resident: the read's ms
-        self._stamps: dict[str, tuple[int, ...] | None] = {}  # files as last read (files_stamp)
-
-    @property
-    def merged_mode(self) -> bool:
-        return self.merge is not None
 
     # registry
-    def register(self, adapter_id: str, path: Path, root: Path | None = None) -> None:
-        """Add or replace an adapter; a replaced one is read again from disk on its next use,
-        while requests that started under the old weights finish under them."""
-        self.registry.add(adapter_id, path, root)
-        self._forget(adapter_id)
-
-    def arrived(self, seq: Sequence) -> bool:
-        """A request for ``seq.adapter_id`` arrived: count its heat, and read the adapter again
-        if its files changed on disk (:meth:`reread_if_changed`). True when they had."""
-        assert seq.adapter_id is not None
-        self.usage.arrived(seq.tenant_id, seq.adapter_id)
-        return self.reread_if_changed(seq.adapter_id)
-
-    def reread_if_changed(self, adapter_id: str) -> bool:
-        """If ``adapter_id``'s files changed on disk since they were read, replace it as
-        :meth:`register` does (new requests get the new weights; running ones finish under the
-        old). True when they had changed. Merged mode (the baselines) keeps what it merged."""
-        entry = self._registration(adapter_id)
-        if self.merge is not None or entry is None or adapter_id not in self._stamps:
-            return False
-        if files_stamp(entry.path) == self._stamps[adapter_id]:
-            return False
-        self.register(adapter_id, entry.path, entry.root)
-        self.stats.changed_on_disk += 1
-        log.info("adapter %r changed on disk: read again for new requests", adapter_id)
-        return True
-
     def unregister(self, adapter_id: str) -> None:
-        self.registry.remove(adapter_id)
-        self._forget(adapter_id)
+        super().unregister(adapter_id)
         self._drop_unused_stale()
 
     def _forget(self, adapter_id: str) -> None:
-        """Drop what was read of ``adapter_id``: its next use reads it again, while resident
-        versions serve only the requests that started under them."""
-        self.host.drop(adapter_id)
-        self._read_ms.pop(adapter_id, None)
-        self._stamps.pop(adapter_id, None)
+        """Resident versions of a forgotten adapter serve only the requests that started under
+        them."""
+        super()._forget(adapter_id)
         for entry in self.residents():
             if entry.adapter_id == adapter_id:
                 entry.stale = True
 
-    def knows(self, adapter_id: str) -> bool:
-        return self._registration(adapter_id) is not None
-
-    def _registration(self, adapter_id: str) -> AdapterEntry | None:
-        """Where ``adapter_id``'s files are (the one place residency asks the registry)."""
-        return self.registry.get(adapter_id)
-
     # lookups
-    def residents(self) -> list[Resident]:
-        return [entry for entry in self.seats if entry is not None]
-
     def current(self, adapter_id: str) -> Resident | None:
         """The resident entry of ``adapter_id``'s current weights, if any."""
         for entry in self.seats:
@@ -212,29 +115,31 @@ class ResidencyManager:
                 return entry
         return None
 
-    def tier(self, adapter_id: str) -> Lookup:
-        """Where ``adapter_id`` is now. Raises :class:`AdapterError` for an unknown adapter."""
-        where = self._where(adapter_id)
-        if where is None:
-            raise AdapterError(f"adapter {adapter_id!r} is not known")
-        return where
+    def is_hot(self, adapter_id: str | None) -> bool:
+        return adapter_id is not None and self.current(adapter_id) is not None
 
-    def need(self, seq: Sequence) -> Need:
+    def need(self, seq: Sequence) -> Need | None:
         """Where ``seq``'s adapter stands for ``seq``: a running request computes with the
-        version it started under, a waiting one with the current weights."""
+        version it started under, a waiting one with the current weights. None for the base
+        model, whose weights never leave."""
         adapter_id, started_under = seq.adapter_id, seq.adapter_hash
-        assert adapter_id is not None
+        if adapter_id is None:
+            return None
         if seq.status is not Status.RUNNING:
             started_under = None
         if started_under is None:
             resident = self.current(adapter_id)
         else:
             resident = self._version(adapter_id, started_under)
-        return Need(adapter_id, started_under, resident)
+        if resident is None:
+            return Need(adapter_id, started_under, ready=False)
+        return Need(adapter_id, started_under, True, resident.content_hash, resident)
 
     def version_gone(self, need: Need) -> bool:
         """Whether ``need``'s request started under weights that are neither resident nor
         current."""
+        if need.adapter_id is None:
+            return False
         host = self.host.entries.get(need.adapter_id)
         return (
             need.started_under is not None
@@ -243,33 +148,16 @@ class ResidencyManager:
             and host.content_hash != need.started_under
         )
 
-    def load_evicts(self, adapter_id: str) -> bool:
-        """Whether bringing ``adapter_id``'s current weights in now evicts an adapter (or, in
-        merged mode, merged weights) that requests still need."""
-        if self._where(adapter_id) is not Lookup.WARM:
+    def load_evicts(self, need: Need) -> bool:
+        """Whether bringing ``need``'s current weights in now evicts an adapter that requests
+        still need."""
+        if need.adapter_id is None or self._where(need.adapter_id) is not Lookup.WARM:
             return False
-        if self.merge is not None:
-            return self.merged is not None
-        return self._needs_eviction(adapter_id)
-
-    def _where(self, adapter_id: str) -> Lookup | None:
-        if self.current(adapter_id) is not None or (
-            self.merged is not None and self.merged.adapter_id == adapter_id
-        ):
-            return Lookup.HOT
-        if adapter_id in self.loader.pending:
-            return Lookup.LOADING
-        if adapter_id in self.host.entries:
-            return Lookup.WARM
-        if self._registration(adapter_id) is None:
-            return None
-        return Lookup.COLD
+        return self._needs_eviction(need.adapter_id)
 
     def pages_by_adapter(self, adapter_ids: Iterable[str]) -> dict[str, int]:
         """Pages each resident adapter, and each of ``adapter_ids`` in host memory, takes in the
         pool."""
-        if self.pool is None:
-            return {}
         host = self.host.entries
         pages = {a: self._layout(host[a]).num_pages for a in adapter_ids if a in host}
         for entry in self.residents():
@@ -279,7 +167,7 @@ class ResidencyManager:
     def _pages_needed(self, adapter_id: str) -> int | None:
         """Pages ``adapter_id`` takes in the pool, when its weights are in host memory."""
         adapter = self.host.entries.get(adapter_id)
-        return None if adapter is None or self.pool is None else self._layout(adapter).num_pages
+        return None if adapter is None else self._layout(adapter).num_pages
 
     def _needs_eviction(self, adapter_id: str) -> bool:
         """Whether bringing ``adapter_id`` in now must evict an adapter that requests still need
@@ -295,10 +183,26 @@ class ResidencyManager:
         return pages is not None and pages > room
 
     # the step
-    def begin_step(self, demand: Counter[str], bound: Counter[tuple[str, str]]) -> None:
-        """A new step is being formed: no request uses any adapter yet."""
-        self.demand, self.bound = demand, bound
-        self.short_of_pages = False  # set when a load waits for pages that KV in use holds
+    def slot_views(self, running: Counter[str], now: float) -> tuple[SlotView, ...]:
+        return tuple(
+            SlotView(seat, None, 0, 0.0)
+            if e is None
+            else SlotView(
+                seat,
+                e.adapter_id,
+                running[e.adapter_id],
+                e.last_used,
+                self.evictable(e, now),
+                e.num_pages,
+                e.loaded_at,
+            )
+            for seat, e in enumerate(self.seats)
+        )
+
+    def begin_step(
+        self, demand: Counter[str], bound: Counter[tuple[str | None, str | None]]
+    ) -> None:
+        super().begin_step(demand, bound)
         for entry in self.residents():
             entry.in_step = 0
         self._drop_unused_stale()
@@ -308,9 +212,11 @@ class ResidencyManager:
         for entry in self.residents():
             entry.in_step = 0
 
-    def use(self, entry: Resident) -> None:
-        entry.in_step += 1
-        entry.last_used = time.monotonic()
+    def use(self, need: Need) -> None:
+        entry = need.resident
+        if entry is not None:
+            entry.in_step += 1
+            entry.last_used = time.monotonic()
 
     def resident_views(self) -> list[ResidentView[Resident]]:
         """The residents as the victim choice sees them (``policies.victims``)."""
@@ -342,6 +248,17 @@ class ResidencyManager:
         order = eviction_order(self.resident_views(), now, self.quantum_s)
         return order[0].seat if order else None
 
+    def bring_in(
+        self,
+        need: Need,
+        seat: int | None,
+        holders: Iterable[Sequence],
+        *,
+        parked: bool = False,
+        evict: Iterable[int] = (),
+    ) -> bool:
+        return self.acquire(need, seat, holders, parked=parked, evict=evict) is not None
+
     def acquire(
         self,
         need: Need,
@@ -360,16 +277,14 @@ class ResidencyManager:
         evicts an adapter requests still need counts as thrash (``usage.evicting_loads``) unless
         it is for ``parked`` requests, whose reloads the quantum paces. Raises
         :class:`AdapterError` when the adapter is unknown or cannot fit in the pool at all."""
-        assert self.pool is not None, "merged mode has no pool"
         adapter_id = need.adapter_id
+        assert adapter_id is not None, "the base model's weights are never loaded"
         entry = self.current(adapter_id)
         if entry is not None:
             return entry
         now = time.monotonic()
-        adapter = self.host.get(adapter_id)
+        adapter = self._host_or_read(adapter_id)
         if adapter is None:
-            if self.tier(adapter_id) is Lookup.COLD:
-                self._read_from_disk(adapter_id)
             return None
         layout = self._layout(adapter)
         if layout.num_pages > self.pool.num_pages:
@@ -401,7 +316,7 @@ class ResidencyManager:
             if freed < layout.num_pages:
                 self.short_of_pages = True
                 return None  # the pool is full of KV in use: wait for requests to finish
-        thrash = not parked and self.load_evicts(adapter_id)  # before the pool changes
+        thrash = not parked and self.load_evicts(need)  # before the pool changes
         started = time.perf_counter()
         for victim in victims:
             self.evict(victim)
@@ -437,7 +352,6 @@ class ResidencyManager:
     def evict(self, entry: Resident) -> None:
         """Take ``entry`` out of the pool; the adapters above it move down so no hole is left,
         and its KV namespace's cached blocks become the first to be reused."""
-        assert self.pool is not None
         n = entry.num_pages
         self.seats[entry.seat] = None
         for other in sorted(self.residents(), key=lambda e: e.first_page):
@@ -448,94 +362,10 @@ class ResidencyManager:
         self.top -= n
         self.blocks.release_pages(range(self.top, self.top + n))
         self.blocks.demote(lambda scope: scope is not None and scope.adapter_id == entry.adapter_id)
-        self.stats.evictions += 1
-        if self.events is not None:
-            self.events.notify(
-                "lora_guard_adapter_evicted", adapter_id=entry.adapter_id, slot=entry.seat
-            )
-
-    # disk
-    def _read_from_disk(self, adapter_id: str) -> None:
-        self._load_started[adapter_id] = time.perf_counter()
-        self.usage.disk_reads.add(adapter_id)
-        entry = self._registration(adapter_id)
-        assert entry is not None
-        self.loader.submit(adapter_id, entry.path, entry.root)
-
-    def poll(self) -> dict[str, AdapterError]:
-        """Move finished reads to the host tier; return the adapters whose read failed."""
-        failed = {}
-        for adapter_id, result in self.loader.collect():
-            started = self._load_started.pop(adapter_id, None)
-            read_ms = self.loader.read_ms.pop(adapter_id, 0.0)
-            if isinstance(result, LoRAAdapter):
-                entry = self._registration(adapter_id)
-                if entry is not None and entry.path == result.path:
-                    self.host.put(result)
-                    self._stamps[adapter_id] = result.stamp
-                    if started is not None:
-                        self._read_ms[adapter_id] = read_ms
-            else:
-                self.stats.failures += 1
-                failed[adapter_id] = result
-                if self.events is not None:
-                    self.events.notify(
-                        "lora_guard_adapter_load_failed", adapter_id=adapter_id, error=str(result)
-                    )
-        return failed
-
-    # merged mode
-    def acquire_merged(self, adapter_id: str | None, *, evicts: bool = False) -> Binding | None:
-        """Bind a request to the merged weights of ``adapter_id`` (None: the base model), held
-        until :meth:`release_merged`; None means wait. A merge that ``evicts`` weights requests
-        still need counts as thrash."""
-        assert self.merge is not None
-        started = time.perf_counter()
-        current = self.merged.adapter_id if self.merged is not None else None
-        if current == adapter_id:
-            self.merged_refs += 1
-            return Binding(self.merged.content_hash if self.merged else None)
-        adapter = None
-        if adapter_id is not None:
-            adapter = self.host.get(adapter_id)
-            if adapter is None:
-                if self.tier(adapter_id) is Lookup.COLD:
-                    self._read_from_disk(adapter_id)
-                return None
-        if self.merged_refs:
-            return None  # running requests still use the weights merged now
-        if current is not None:
-            self.stats.evictions += 1
-            if self.events is not None:
-                self.events.notify("lora_guard_adapter_evicted", adapter_id=current, slot=-1)
-        self.merge(adapter)
-        self.merged = adapter
-        self.merged_refs = 1
-        if adapter is not None:
-            self._loaded(adapter.adapter_id, -1, started)
-            if evicts:
-                self.usage.evicting_loads.add(adapter.adapter_id)
-        return Binding(adapter.content_hash if adapter else None)
-
-    def release_merged(self) -> None:
-        self.merged_refs -= 1
-        assert self.merged_refs >= 0, "merged weights released twice"
+        self._evicted(entry.adapter_id, entry.seat)
 
     # helpers
-    def _loaded(self, adapter_id: str, seat: int, started: float) -> None:
-        read_ms = self._read_ms.pop(adapter_id, None)
-        tier = Lookup.COLD if read_ms is not None else Lookup.WARM
-        swap_ms = (read_ms or 0.0) + (time.perf_counter() - started) * 1000
-        self.stats.loads += 1
-        self.stats.swap_ms.append(swap_ms)
-        if self.events is not None:
-            self.events.notify(
-                "lora_guard_adapter_loaded",
-                adapter_id=adapter_id, slot=seat, tier=tier.value, swap_ms=swap_ms,
-            )  # fmt: skip
-
     def _layout(self, adapter: LoRAAdapter) -> AdapterLayout:
-        assert self.pool is not None
         layout = self._layouts.get(adapter.content_hash)
         if layout is None:
             layout = self._layouts[adapter.content_hash] = self.pool.layout(adapter)
