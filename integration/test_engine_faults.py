@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from lora_guard.demo.testing import ServerProcess, metric, start_server
+from lora_guard.demo.testing import ServerProcess, eventually, metric, start_server
 
 MAX_CONCURRENT = 4
 ServesCorrectly = Callable[..., None]
@@ -23,13 +23,6 @@ ServesCorrectly = Callable[..., None]
 def post(url: str, tenant: str, route: str = "/generate", **parameters: Any) -> httpx.Response:
     body = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 8, **parameters}}
     return httpx.post(url + route, json=body, headers={"X-Tenant-Id": tenant}, timeout=60)
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def idle(url: str) -> bool:
@@ -99,7 +92,7 @@ def test_a_failing_step_fails_its_requests_with_424_and_the_loop_goes_on(
             assert r.status_code == 424, r.text
             assert r.json()["error_type"] == "generation"
             assert "injected fault: the forward pass failed" in r.json()["error"]
-    wait_for(lambda: idle(server.url), "the failed requests' blocks to be freed")
+    eventually(lambda: idle(server.url), timeout_s=20, what="the failed requests' blocks freed")
     assert metric(server.url, "tgi_request_failure", err="error") >= 4
     assert httpx.get(server.url + "/health").status_code == 200
     serves_correctly(server.url)
@@ -121,7 +114,7 @@ def test_a_request_sharing_the_failing_step_fails_with_it_and_frees_its_blocks(
         rest = [line for line in lines if line.startswith("data:")]
     assert "injected fault: the forward pass failed" in rest[-1]  # its last event: the error
     assert '"error_type": "generation"' in rest[-1]
-    wait_for(lambda: idle(server.url), "every block to be freed")
+    eventually(lambda: idle(server.url), timeout_s=20, what="every block to be freed")
     serves_correctly(server.url, adapters=[None])
 
 
@@ -165,9 +158,10 @@ def test_beyond_max_concurrent_requests_the_answer_is_429_with_retry_after(
         for i in range(MAX_CONCURRENT):
             held.send(lambda i=i: post(server.url, "hold", adapter_id=f"a-0{i % 3}"))
         count = Path(str(hold) + ".count")
-        wait_for(
+        eventually(
             lambda: count.exists() and count.read_text() == str(MAX_CONCURRENT),
-            f"{MAX_CONCURRENT} requests held in flight",
+            timeout_s=20,
+            what=f"{MAX_CONCURRENT} requests held in flight",
         )
         for route in ("/generate", "/generate_stream"):
             r = post(server.url, "default", route)
@@ -178,7 +172,7 @@ def test_beyond_max_concurrent_requests_the_answer_is_429_with_retry_after(
         hold.unlink()
     answers = held.join(60)
     assert [a.status_code for a in answers if isinstance(a, httpx.Response)] == [200] * 4, answers
-    wait_for(lambda: idle(server.url), "the server to be idle")
+    eventually(lambda: idle(server.url), timeout_s=20, what="the server to be idle")
     serves_correctly(server.url, adapters=[None, "a-00"])
 
 
@@ -192,7 +186,11 @@ def test_a_dead_engine_loop_turns_health_503_and_ends_requests_in_flight(
         in_flight.send(lambda: post(server.url, "hold", "/generate"))
         in_flight.send(lambda: post(server.url, "hold", "/generate_stream"))
         count = Path(str(hold) + ".count")
-        wait_for(lambda: count.exists() and count.read_text() == "2", "2 requests held")
+        eventually(
+            lambda: count.exists() and count.read_text() == "2",
+            timeout_s=20,
+            what="2 requests held",
+        )
 
         r = post(server.url, "fault-loop")
         assert r.status_code == 500, r.text

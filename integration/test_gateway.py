@@ -3,7 +3,6 @@ labels of ``vllm:lora_requests_info`` on ``/metrics``, and the tenant from its f
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -11,7 +10,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lora_guard.demo.testing import ServerProcess, metric, metric_samples, start_server
+from lora_guard.demo.testing import (
+    ServerProcess,
+    eventually,
+    metric,
+    metric_samples,
+    start_server,
+)
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +84,8 @@ def test_a_replica_whose_adapters_queued_requests_need_looks_full(
     with ThreadPoolExecutor(2) as clients:
         held = [clients.submit(generate, url, a, {"X-Tenant-Id": "hold"}) for a in ("a-00", "a-01")]
         count = Path(f"{hold}.count")
-        deadline = time.monotonic() + 30
-        while not (count.exists() and count.read_text() == "2") and time.monotonic() < deadline:
-            time.sleep(0.05)
+        eventually(lambda: count.exists() and count.read_text() == "2", timeout_s=30,
+                   what="2 requests held")  # fmt: skip
         assert generate(url, None).status_code == 200  # a step runs: the labels are fresh
         info = lora_info(url)
         active, waiting, room = picker_view(info)

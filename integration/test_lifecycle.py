@@ -12,7 +12,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from lora_guard.demo.testing import ServerProcess as Server
-from lora_guard.demo.testing import start_server
+from lora_guard.demo.testing import eventually, start_server
 
 DESIGN_METRICS = [
     "lora_guard_hot_adapter_hit_rate", "lora_guard_adapter_lookups", "lora_guard_adapter_swap_ms",
@@ -62,17 +62,14 @@ def test_disconnect_mid_stream_frees_the_blocks(server: Server) -> None:
             events += line.startswith("data:")
             if events == 3:
                 break  # the client goes away
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+
+    def freed() -> bool:
         found = samples(server.url)
-        if (
-            found["vllm:num_requests_running"][0][1] == 0
-            and found["vllm:kv_cache_usage_perc"][0][1] == 0
-        ):
-            break
-        time.sleep(0.1)
-    assert found["vllm:num_requests_running"][0][1] == 0
-    assert found["vllm:kv_cache_usage_perc"][0][1] == 0
+        assert found["vllm:num_requests_running"][0][1] == 0
+        assert found["vllm:kv_cache_usage_perc"][0][1] == 0
+        return True
+
+    eventually(freed, what="the request to end and its blocks to be freed")
 
 
 def test_sigterm_drains_requests_in_flight_and_exits_zero(

@@ -25,6 +25,7 @@ from lora_guard.demo.adapters import make_adapters
 from lora_guard.demo.testing import (
     ServerProcess,
     engine_greedy,
+    eventually,
     metric,
     metric_samples,
     start_server,
@@ -127,15 +128,16 @@ def client(url: str, seed: int, expected: dict[tuple[str, str | None], list[int]
 
 def settle(url: str, timeout: float = 15) -> dict[str, list[tuple[dict[str, str], float]]]:
     """The metrics once the server is idle (no request running or waiting, no block held)."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def idle() -> dict[str, list[tuple[dict[str, str], float]]]:
         found = metric_samples(url)
         values = [found[name][0][1] for name in
                   ("vllm:num_requests_running", "vllm:num_requests_waiting",
                    "vllm:kv_cache_usage_perc")]  # fmt: skip
-        if values == [0, 0, 0] or time.monotonic() > deadline:
-            return found
-        time.sleep(0.1)
+        assert values == [0, 0, 0], values
+        return found
+
+    return eventually(idle, timeout_s=timeout, what="the server to be idle")
 
 
 def test_load_then_soak_every_request_accounted_for(

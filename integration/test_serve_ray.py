@@ -25,7 +25,7 @@ import pytest
 from lora_guard.bench.oracle import OracleRequest, oracle_tokens
 from lora_guard.bench.replay import EngineOptions
 from lora_guard.demo.adapters import make_adapters
-from lora_guard.demo.testing import closed_loop
+from lora_guard.demo.testing import closed_loop, eventually
 from lora_guard.workload.stats import percentile
 from lora_guard.workload.trace import TraceRequest, WorkloadSpec, make_trace
 
@@ -303,9 +303,7 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request_in_the_engine(
             events += line.startswith("data:")
             if events == 3:
                 break  # the client goes away after three tokens
-    deadline = time.monotonic() + 10
-    while aborted(fleet) == before and time.monotonic() < deadline:
-        time.sleep(0.1)
+    eventually(lambda: aborted(fleet) != before, what="the engine to abort the request")
     assert aborted(fleet) == before + 1
     assert all(s["queue"] == 0 for s in fleet_stats(fleet.app_name))
 

@@ -120,7 +120,7 @@ def prompt_tokens(argv: list[str], prompts: list[str]) -> dict[str, int]:
     """Each prompt's length in the replicas' tokens, as their engine reads it."""
     from transformers import AutoTokenizer
 
-    from lora_guard.engine.llm_engine import encode_text
+    from lora_guard.engine.tokens import encode_text
 
     tokenizer = AutoTokenizer.from_pretrained(load_settings(argv).engine_kwargs()["model"])
     return {p: len(encode_text(tokenizer, p)) for p in prompts}

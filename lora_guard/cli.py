@@ -86,9 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     who.add_argument("--persona", choices=sorted(PERSONAS), help="a persona of lora-guard's")
     who.add_argument("--system-prompt", help="your own persona: the system prompt to distill")
     train.add_argument("--out", type=Path, required=True, help="folder to write the adapter into")
-    train.add_argument(
-        "--model", type=Path, help="Hugging Face checkpoint folder (default: the demo model)"
-    )
+    from lora_guard.config import add_engine_flags
+
+    # serve's --model; the demo model must be prepared already (train-adapter does not prepare it)
+    add_engine_flags(train, ["model"], shown={"model": "the demo model"})
     train.add_argument("--rank", type=int, default=8, help="LoRA rank, 1 to 16 (default 8)")
     train.add_argument("--steps", type=int, default=80, help="optimizer steps (default 80)")
     train.add_argument("--batch-size", type=int, default=8, help="default 8")
@@ -257,7 +258,7 @@ def _train_adapter(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"lora-guard train-adapter: error: {message}", file=sys.stderr)
         return 1
 
-    model = args.model or DemoPaths.under().model_dir
+    model = Path(args.model) if args.model is not None else DemoPaths.under().model_dir
     if args.model is None and not (model / "config.json").is_file():
         return fail(
             "the demo model is not prepared: run `lora-guard prepare-demo`, or give --model"

@@ -11,6 +11,9 @@ The server's own settings are the table ``SETTINGS``. Plugins declare theirs wit
 three (and ``--config``) first, then the plugins load, then every flag, the server's and the
 plugins', is read. ``load_settings`` does both and returns a ``ServeSettings`` holding the
 ``Hooks`` it built, for the server to reuse.
+
+Other commands that take engine flags (bench, simulate --calibrate, ...) add them with
+``add_engine_flags``, from the same table; ``lora_guard.settings_docs`` writes the docs' tables.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import re
 import sys
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import MISSING, Field, dataclass, field
+from dataclasses import MISSING, Field, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -33,7 +36,19 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10
     import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
 
-from lora_guard.engine.config import ORDERS, Order, at_least, describe, text, user_fields
+import torch
+
+from lora_guard.engine.config import (
+    DTYPES,
+    ORDERS,
+    Order,
+    at_least,
+    describe,
+    resolve_device,
+    resolve_dtype,
+    text,
+    user_fields,
+)
 from lora_guard.engine.lora.registry import scan_adapter_dir as registry_scan
 from lora_guard.engine.lora.registry import valid_adapter_id
 from lora_guard.plugins.manager import (
@@ -195,17 +210,24 @@ def _engine_flag(field_name: str) -> str:
     return "--" + _ENGINE_NAMES[field_name].replace("_", "-")
 
 
-def _engine_setting(f: Field[Any]) -> Setting:
-    """The setting of a field of ``EngineConfig``; a bool field is a switch that turns it over."""
+def _engine_setting(f: Field[Any], default: Any = MISSING) -> Setting:
+    """The setting of a field of ``EngineConfig``, at the field's default unless ``default`` is
+    given (another command's: then the table's default in words is not shown). A bool field is a
+    switch that turns it over: ``--no-prefix-caching`` where it is on, ``--prefix-caching`` where
+    a command has it off."""
     meta = f.metadata
     words = describe(meta["help"], _engine_flag)
     shown = describe(meta["shown"], _engine_flag) if meta["shown"] else None
     common: dict[str, Any] = {"group": meta["group"], "engine_field": f.name}
+    if default is MISSING:
+        default = f.default
+    elif default != f.default:
+        shown = None
     if isinstance(f.default, bool):
-        return Setting(_ENGINE_NAMES[f.name], parse_bool, False,
-                       "do not " + words if f.default else words, switch=True, invert=f.default,
-                       **common)  # fmt: skip
-    default = None if f.default is MISSING else f.default
+        name = _ENGINE_NAMES[f.name] if default else _ENGINE_NAMES[f.name].removeprefix("no_")
+        return Setting(name, parse_bool, False, "do not " + words if default else words,
+                       switch=True, invert=bool(default), **common)  # fmt: skip
+    default = None if default is MISSING else default
     return Setting(_ENGINE_NAMES[f.name], meta["check"], default, words, metavar=meta["metavar"],
                    default_text=shown, **common)  # fmt: skip
 
@@ -251,7 +273,8 @@ SETTINGS: tuple[Setting, ...] = tuple(
 SETTINGS_BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 # Read before the plugins load: they decide which plugin settings exist.
 _PHASE_ONE = ("config", "policies", "plugin", "disable_plugin")
-_NOT_IN_FILE = frozenset({"config"})
+#: Settings the TOML file cannot hold (the docs' table says so too).
+NOT_IN_FILE = frozenset({"config"})
 _RESERVED_FLAGS = frozenset({"help"})
 
 
@@ -442,6 +465,72 @@ def _add_argument(group: Any, setting: Setting) -> None:
     group.add_argument(setting.flag, **kwargs)
 
 
+def add_engine_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    names: Sequence[str],
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    shown: Mapping[str, str] | None = None,
+) -> None:
+    """Add the flags of the ``EngineConfig`` fields ``names`` (``"dtype"``, ``"max_loras"``) to
+    ``parser``, a command's own, as ``lora-guard serve`` has them: the flag, its help and its
+    check from the settings table. The value is checked when parsed (``--dtype bf16`` is
+    ``"bfloat16"``, ``--cache-memory 2GB`` is bytes, ``--model`` a string); a bad one is a usage
+    error. The flag's ``dest`` is its name (``kv_cache_memory``); no environment variable or
+    file is read.
+
+    ``defaults`` sets this command's default of a field, as a value of the field (text is checked
+    like a flag's); the help then shows it, or ``shown[name]``, the default in words (for a None
+    that the command fills in itself). A bool field is a switch that turns its default over:
+    ``--no-prefix-caching``, or ``--prefix-caching`` where ``defaults`` turns it off."""
+    fields_by_name = {f.name: f for f in user_fields()}
+    defaults, shown = dict(defaults or {}), dict(shown or {})
+    unknown = sorted(set(names) - set(fields_by_name))
+    stray = sorted({*defaults, *shown} - set(names))
+    if unknown or stray:
+        raise ValueError(f"not EngineConfig fields users set: {unknown}; a default for a flag "
+                         f"not added: {stray}")  # fmt: skip
+    for name in names:
+        setting = _engine_setting(fields_by_name[name], defaults.get(name, MISSING))
+        if name in shown:
+            setting = replace(setting, default_text=shown[name])
+        words = setting.help
+        if setting.default is not None or "default" not in words:  # else the help says it
+            words += f" (default: {setting.shown_default()})"
+        kwargs: dict[str, Any] = {"help": words.replace("%", "%%")}
+        if setting.switch:
+            parser.add_argument(setting.flag, action="store_true", **kwargs)
+        else:
+            parser.add_argument(setting.flag, type=_flag_check(setting), default=setting.default,
+                                metavar=setting.metavar or setting.name.upper(),
+                                **kwargs)  # fmt: skip
+
+
+def _flag_check(setting: Setting) -> Callable[[str], Any]:
+    """``setting``'s check as an argparse type: a bad value is a usage error that says why."""
+
+    def check(text: str) -> Any:
+        try:
+            return setting.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"bad value {text!r}: {exc}") from None
+
+    check.__name__ = setting.name
+    return check
+
+
+def engine_names(device: str, dtype: str) -> tuple[str, str]:
+    """``--device`` and ``--dtype`` with ``auto`` resolved as the engine resolves it (cuda where
+    torch sees one; bfloat16 on cuda, else float32), as names: for a command that hands them to
+    torch, PEFT or another server, or records them."""
+    if device == "auto":
+        device = str(resolve_device(device))
+    if dtype == "auto":
+        resolved = resolve_dtype(dtype, torch.device(device))
+        dtype = next(name for name, value in DTYPES.items() if value == resolved)
+    return device, dtype
+
+
 def _phase_one_parser() -> _Parser:
     parser = _Parser(prog=PROG, add_help=False, allow_abbrev=False,
                      argument_default=argparse.SUPPRESS)  # fmt: skip
@@ -476,7 +565,7 @@ def _read_file(path: Path) -> _File:
             raise SettingsError(
                 f"config file {path}: {values[name][0]!r} and {key!r} are the same setting"
             )
-        if name in _NOT_IN_FILE:
+        if name in NOT_IN_FILE:
             raise SettingsError(f"config file {path}: key {key!r} cannot be set in a config file")
         values[name] = (key, value)
     return _File(path, values)
@@ -715,90 +804,3 @@ def _cross_check(
             "--policies static needs the adapter to serve: --static-adapter ID "
             f"(or {ENV_PREFIX}STATIC_ADAPTER, or static_adapter in the config file)"
         )
-
-
-# -- the docs' tables ------------------------------------------------------------------------
-
-
-def _cell(words: str) -> str:
-    return words.replace("|", "\\|")
-
-
-def settings_markdown() -> str:
-    """The table of the server's settings in docs/config.md."""
-    rows = [
-        "| flag | environment variable | TOML key | default | meaning |",
-        "|---|---|---|---|---|",
-    ]
-    for s in SETTINGS:
-        flag = s.flag if s.switch else f"{s.flag} {s.metavar or s.name.upper()}"
-        key = "(not in the file)" if s.name in _NOT_IN_FILE else f"`{s.name}`"
-        plain = s.default_text is not None or s.switch or s.shown_default() == "none"
-        default = s.shown_default() if plain else f"`{s.shown_default()}`"
-        notes = ""
-        if s.repeat:
-            notes += " Repeatable; the variable takes a comma list."
-        if s.switch:
-            notes += " A switch: the flag takes no value; the variable and the key take true/false."
-        if s.engine_field is not None and s.engine_field != s.name:
-            notes += f" Turns the engine's `{s.engine_field}` off." if s.invert else (
-                f" The engine's `{s.engine_field}`.")  # fmt: skip
-        rows.append(f"| `{flag}` | `{s.env}` | {key} | {_cell(default)} | "
-                    f"{_cell(s.help)}.{notes} |")  # fmt: skip
-    return "\n".join(rows) + "\n"
-
-
-def llm_markdown() -> str:
-    """The table of ``LLM(...)``'s engine keywords in docs/engine.md."""
-
-    def keyword(name: str) -> str:
-        return f"`{name}`"
-
-    rows = ["| `LLM(...)` keyword | default | meaning |", "|---|---|---|"]
-    for f in user_fields():
-        if f.default is MISSING:
-            default = "required"
-        elif f.metadata["shown"]:
-            default = describe(f.metadata["shown"], keyword)
-        else:
-            default = f'`"{f.default}"`' if isinstance(f.default, str) else f"`{f.default!r}`"
-        help_text = describe(f.metadata["help"], keyword)
-        rows.append(f"| `{f.name}` | {_cell(default)} | {_cell(help_text)} |")
-    return "\n".join(rows) + "\n"
-
-
-#: docs/NAME: the function that writes its generated table, between these two lines.
-DOCS_TABLES: dict[str, Callable[[], str]] = {"config.md": settings_markdown,
-                                             "engine.md": llm_markdown}  # fmt: skip
-_BEGIN = "<!-- generated by `python -m lora_guard.config --write-docs docs`: edit the fields -->\n"
-_END = "<!-- end of the generated table -->\n"
-
-
-def with_generated_table(name: str, doc: str) -> str:
-    """``doc`` (the text of docs/``name``) with its generated table made anew."""
-    head, begin, rest = doc.partition(_BEGIN)
-    _old, end, tail = rest.partition(_END)
-    if not begin or not end:
-        raise ValueError(f"docs/{name} has no generated table (the lines {_BEGIN!r} ... {_END!r})")
-    return head + _BEGIN + DOCS_TABLES[name]() + _END + tail
-
-
-def _main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m lora_guard.config", description="The docs' tables of the settings."
-    )
-    parser.add_argument("--markdown", action="store_true", help="print the settings table")
-    parser.add_argument("--write-docs", metavar="DIR", type=Path,
-                        help="make the tables in DIR/config.md and DIR/engine.md anew")  # fmt: skip
-    args = parser.parse_args(argv)
-    if args.markdown:
-        print(settings_markdown(), end="")
-    if args.write_docs is not None:
-        for name in DOCS_TABLES:
-            path = args.write_docs / name
-            path.write_text(with_generated_table(name, path.read_text()))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

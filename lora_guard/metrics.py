@@ -12,7 +12,6 @@ the state view.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,7 +219,8 @@ class MetricsPlugin:
             self.gauge["tgi_request_failure"].labels(err=reason).inc()
         else:
             self.gauge["tgi_request_success"].inc()
-        duration_s = max(time.monotonic() - request.arrival_time, 0.0)
+        end = request.finished_time if request.finished_time is not None else request.arrival_time
+        duration_s = max(end - request.arrival_time, 0.0)
         self.histogram["tgi_request_duration"].observe(duration_s)
         if request.first_token_time is not None:
             ttft_s = max(request.first_token_time - request.arrival_time, 0.0)

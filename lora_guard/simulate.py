@@ -565,17 +565,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "--step-log FILE), over --costs or the defaults")  # fmt: skip
     parser.add_argument("--calibrate", type=Path, metavar="OUT.json",
                         help="measure the engine's costs and write them here")  # fmt: skip
-    parser.add_argument("--model", type=Path, help="--calibrate: checkpoint (default: the demo)")
     parser.add_argument("--adapter-dir", type=Path,
                         help="--calibrate: adapters (default: 8 made for the run)")  # fmt: skip
-    parser.add_argument("--device", default="cpu", help="--calibrate: torch device")
-    parser.add_argument("--dtype", default="float32", help="--calibrate: weights' dtype")
+    # The engine --calibrate measures, with `lora-guard serve`'s flags (imported here, as they
+    # import torch: this module does not). It pins the CPU and float32 where serve picks by the
+    # machine: costs measured like the defaults (the demo model in float32 on a CPU,
+    # docs/simulate.md), one calibration comparable with the next.
+    from lora_guard.config import add_engine_flags
+
+    calibrate = parser.add_argument_group("the engine --calibrate measures")
+    add_engine_flags(calibrate, ["model", "device", "dtype"],
+                     defaults={"device": "cpu", "dtype": "float32"})  # fmt: skip
     args = parser.parse_args(argv)
     if args.calibrate is not None:
+        from lora_guard.config import engine_names
         from lora_guard.simulate_costs import calibrate_command
 
-        return calibrate_command(args.calibrate, args.model, args.adapter_dir, args.device,
-                                 args.dtype)  # fmt: skip
+        device, dtype = engine_names(args.device, args.dtype)
+        model = Path(args.model) if args.model is not None else None
+        return calibrate_command(args.calibrate, model, args.adapter_dir, device, dtype)
     costs = read_costs(args.costs) if args.costs else DEFAULT_COSTS
     if args.step_log is not None:
         costs = _fitted(costs, args.step_log)

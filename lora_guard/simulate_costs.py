@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lora_guard.engine import LLM
-    from lora_guard.engine.llm_engine import StepRecord
+    from lora_guard.engine.outputs import StepRecord
 
 MIB = 2**20
 BATCHES = (1, 4, 16, 32)
@@ -127,7 +127,7 @@ def fit_steps(steps: Sequence[StepRecord], loads: bool = False) -> Fit:
 def read_step_log(path: Path) -> list[StepRecord]:
     """The steps of a step log (``lora-guard serve --step-log FILE``: a line a step, of one or
     many replicas)."""
-    from lora_guard.engine.llm_engine import StepRecord
+    from lora_guard.engine.outputs import StepRecord
 
     with path.open() as lines:
         return [StepRecord(**json.loads(line)) for line in lines if line.strip()]
@@ -220,33 +220,12 @@ def _run_batch(
 def measure_loads(llm: LLM, adapter_ids: Sequence[str], repeats: int = 3) -> list[LoadSample]:
     """Each adapter read from its folder, and written into the pool over itself evicted (the
     median of ``repeats``)."""
-    from lora_guard.engine.lora import read_adapter
-    from lora_guard.engine.lora.residency import ResidencyManager
-    from lora_guard.engine.lora.tiers import Need
-
-    engine = llm.engine
-    assert isinstance(engine.adapters, ResidencyManager), "loads are measured on the pool"
-    residency, spec, max_rank = engine.adapters, engine.model.spec, engine.config.max_lora_rank
     samples = []
     for adapter_id in adapter_ids:
         _make_resident(llm, [adapter_id])
-        entry = residency.registry.get(adapter_id)
-        assert entry is not None
-        reads, writes = [], []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            adapter = read_adapter(adapter_id, entry.path, spec, max_rank, entry.root)
-            reads.append((time.perf_counter() - started) * 1000)
-            resident = residency.current(adapter_id)
-            assert resident is not None and resident.content_hash == adapter.content_hash
-            started = time.perf_counter()
-            residency.evict(resident)
-            need = Need(adapter_id, None, ready=False)
-            placed = residency.acquire(need, None, engine.scheduler.running)
-            writes.append((time.perf_counter() - started) * 1000)
-            assert placed is not None
-        samples.append(LoadSample(_resident_mib(llm, adapter_id), statistics.median(reads),
-                                  statistics.median(writes)))  # fmt: skip
+        timings = [llm.engine.time_reload(adapter_id) for _ in range(repeats)]
+        samples.append(LoadSample(timings[0].mib, statistics.median(t.read_ms for t in timings),
+                                  statistics.median(t.write_ms for t in timings)))  # fmt: skip
     return samples
 
 
@@ -353,15 +332,6 @@ def _make_resident(llm: LLM, adapter_ids: Sequence[str]) -> None:
 
     llm.generate(["Warm-up."] * len(adapter_ids), SamplingParams(max_new_tokens=1, ignore_eos=True),
                  list(adapter_ids))  # fmt: skip
-    missing = [a for a in adapter_ids if a not in llm.engine.adapters.resident_adapters()]
+    missing = [a for a in adapter_ids if a not in llm.engine.figures().resident]
     if missing:
         raise ValueError(f"calibration needs every adapter resident at once; not: {missing}")
-
-
-def _resident_mib(llm: LLM, adapter_id: str) -> float:
-    from lora_guard.engine.lora.residency import ResidencyManager
-
-    assert isinstance(llm.engine.adapters, ResidencyManager)
-    entry = llm.engine.adapters.current(adapter_id)
-    assert entry is not None
-    return entry.layout.nbytes / MIB

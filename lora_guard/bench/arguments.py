@@ -1,4 +1,5 @@
-"""The flags of ``lora-guard bench`` (kept light: the CLI builds its parser without torch)."""
+"""The flags of ``lora-guard bench``; the engine's are ``lora-guard serve``'s
+(``lora_guard.config.add_engine_flags``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from lora_guard.engine.config import LORA_DTYPES
 from lora_guard.workload.trace import SCENARIOS, WorkloadSpec
 
 SCHEMES = ("static", "on-demand", "lru", "lora-guard", "lora-guard-observe", "peft")
@@ -20,9 +20,18 @@ QUICK_SPEC = WorkloadSpec(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from lora_guard.config import add_engine_flags
+
     spec = WorkloadSpec()
     add = parser.add_argument
-    add("--model", type=Path, help="checkpoint folder (default: the demo model)")
+    # The engine's flags as `lora-guard serve` has them. Where serve picks by the machine (device,
+    # dtype, a quarter of free memory), the bench pins the CPU, float32 and a 768MiB pool: figures
+    # comparable from run to run and machine to machine, every scheme (PEFT's too) alike.
+    add_engine_flags(
+        parser, ["model", "max_loras", "max_lora_rank", "kv_cache_memory", "dtype", "lora_dtype",
+                 "device"],
+        defaults={"kv_cache_memory": "768MiB", "dtype": "float32", "device": "cpu"},
+    )  # fmt: skip
     add("--adapter-dir", type=Path, help="folder of adapters (default: the demo adapters)")
     add("--trace", type=Path, help="replay this JSONL trace instead of generating one")
     add("--write-trace", type=Path, metavar="FILE", help="save the trace replayed here")
@@ -80,28 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "each time (2 with two schemes: A B, then B A); each turn is a run of the report's medians",
     )
     add(
-        "--max-loras",
-        type=int,
-        default=0,
-        help="seats in the cache pool (0, the engine's default: no cap, the pool's pages decide)",
-    )
-    add("--max-lora-rank", type=int, default=64)
-    add("--kv-cache-memory", default="768MiB")
-    add(
         "--cold-loads-per-minute",
         type=int,
         default=None,
         help="lora-guard's cold-load budget (default: the number of adapters in the trace)",
     )
-    add("--dtype", default="float32")
-    add(
-        "--lora-dtype",
-        default="auto",
-        choices=LORA_DTYPES,
-        help="adapter pages of the engine schemes (and static's merge): auto (as --dtype), "
-        "bfloat16, float16, float32",
-    )
-    add("--device", default="cpu")
     add(
         "--quick",
         action="store_true",

@@ -29,10 +29,8 @@ from typing import Any
 
 import torch
 
+from lora_guard.config import add_engine_flags, engine_names
 from lora_guard.engine import LLM, SamplingParams
-from lora_guard.engine.config import LORA_DTYPES
-from lora_guard.engine.lora import read_adapter
-from lora_guard.engine.lora.compute import MODES
 from lora_guard.engine.lora.registry import scan_adapter_dir
 
 TURNS = 3  # base and mixed runs of each batch, in turn, within one engine
@@ -159,7 +157,14 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", type=Path, help="checkpoint (default: the demo model)")
+    # The engine's flags as `lora-guard serve` has them, but on the CPU in float32 (where serve
+    # picks by the machine: one run's figures comparable with the next's) and with prefix caching
+    # off (PEFT computes every prompt; --prefix-caching lets the engine reuse what it saw before).
+    add_engine_flags(
+        parser, ["model", "dtype", "lora_dtype", "lora_compute", "weight_layout", "device",
+                 "enable_prefix_caching"],
+        defaults={"dtype": "float32", "device": "cpu", "enable_prefix_caching": False},
+    )  # fmt: skip
     parser.add_argument(
         "--adapter-dir",
         type=Path,
@@ -170,26 +175,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adapter-ids", help="the adapters mixed in a batch, by id, comma "
                         "separated (default: the first --adapters of the folder)")  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--lora-dtype", default="auto", choices=LORA_DTYPES,
-                        help="the adapters' pages (auto: --dtype)")  # fmt: skip
-    parser.add_argument("--lora-compute", default="auto", choices=MODES)
-    parser.add_argument("--weight-layout", default="auto", choices=("auto", "blocked", "plain"))
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip-peft", action="store_true", help="engine figures only")
-    parser.add_argument("--prefix-caching", action="store_true",
-                        help="let the engine reuse the KV of prompts it saw before (its warm-up, "
-                        "earlier runs); off by default: PEFT computes every prompt")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each batch, the engine and PEFT in turn; medians printed, "
                         "and the ratios' ranges")  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
+    # torch and PEFT are handed them by name: auto's, too.
+    args.device, args.dtype = engine_names(args.device, args.dtype)
 
     if args.model is None:
         from lora_guard.demo.model import prepare_demo
 
         args.model = prepare_demo(log=lambda _msg: None).model_dir
+    args.model = Path(args.model)
     if args.adapter_dir is not None:
         return _bench(args)
     from lora_guard.demo.adapters import make_adapters
@@ -252,10 +251,9 @@ def _engine_figures(
               weight_layout=args.weight_layout, lora_dtype=args.lora_dtype,
               enable_prefix_caching=args.prefix_caching)  # fmt: skip
     engine = llm.engine
-    base_bytes = engine.model.step_bytes()
+    base_bytes = engine.step_bytes()
     adapter_bytes = {
-        n: engine.pool.layout(read_adapter(n, args.adapter_dir / n, engine.model.spec, 64)).nbytes
-        for n in names
+        n: engine.adapter_page_bytes(engine.read_adapter(n, args.adapter_dir / n)) for n in names
     }
     # Warm-up: every adapter read and resident before anything is timed.
     llm.generate(_prompts(tokenizer, len(names)), SamplingParams(max_new_tokens=4), list(names))

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from lora_guard.bench.replay import Bind, EngineOptions, RequestRecord, SchemeRun, peak_rss_now
-from lora_guard.engine.llm_engine import encode_text
+from lora_guard.engine.tokens import encode_text
 from lora_guard.workload.trace import TraceRequest
 
 MAX_BATCH = 32

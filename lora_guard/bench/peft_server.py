@@ -113,7 +113,7 @@ class PeftWorker:
 
 
 def build_app(worker: PeftWorker) -> Any:
-    from lora_guard.engine.llm_engine import encode_text
+    from lora_guard.engine.tokens import encode_text
 
     app = FastAPI()
 

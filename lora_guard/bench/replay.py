@@ -10,13 +10,15 @@ from __future__ import annotations
 import heapq
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from lora_guard.engine import LLM, SamplingParams
-from lora_guard.engine.llm_engine import LLMEngine, RequestError, StepRecord
+from lora_guard.engine.llm_engine import LLMEngine, RequestError
 from lora_guard.engine.lora.registry import scan_adapter_dir
+from lora_guard.engine.outputs import StepRecord
 from lora_guard.plugins import hookimpl
 from lora_guard.plugins.state import RequestView
 from lora_guard.workload.trace import TraceRequest
@@ -76,7 +78,7 @@ class EngineOptions:
     adapter_dir: str
     max_loras: int = 0  # no seat cap
     max_lora_rank: int = 64
-    kv_cache_memory: str = "768MiB"
+    kv_cache_memory: int | str = "768MiB"  # bytes, or a size such as 768MiB
     max_num_seqs: int = 64
     cold_loads_per_minute: int = 24
     dtype: str = "float32"
@@ -115,22 +117,23 @@ def scheme_llm(scheme: str, options: EngineOptions, static_adapter: str | None) 
 
 class BindRecorder:
     """Observes adapter lookups (one per request, hot or not) and binds (each time a request's
-    adapter became usable, with how long it waited), with their times."""
+    adapter became usable, with how long it waited), with their times on ``clock`` (the
+    engine's) since ``start``."""
 
-    def __init__(self, start: float) -> None:
-        self.start = start
+    def __init__(self, start: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.start, self.clock = start, clock
         self.lookups: list[tuple[float, bool]] = []
         self.binds: list[Bind] = []
 
     @hookimpl
     def lora_guard_adapter_lookup(self, request: RequestView, result: str) -> None:
-        now = time.monotonic() - self.start
+        now = self.clock() - self.start
         self.lookups.append((now, result == "hot"))
 
     @hookimpl
     def lora_guard_adapter_ready(self, request: RequestView, wait_ms: float) -> None:
         if request.adapter_id is not None:
-            began = time.monotonic() - self.start - wait_ms / 1000
+            began = self.clock() - self.start - wait_ms / 1000
             self.binds.append(Bind(began, request.adapter_id, wait_ms == 0.0, wait_ms))
 
     def ordered_binds(self) -> list[Bind]:
@@ -149,11 +152,8 @@ def replay_scheme(
     if scheme == "static":
         trace = [_served_by(r, static_adapter) for r in trace]
     _warm_up(llm, trace)
-    swaps_before = len(engine.adapters.stats.swap_ms)
-    evictions_before = engine.adapters.stats.evictions
-    conflicts_before = engine.blocks.stats.conflicts
+    before = engine.figures()
     cold_before = _cold_load_counts(engine)
-    start_resident = engine.adapters.resident_adapters()
     steps_before = engine.stats.steps
     start = time.monotonic()
     recorder = BindRecorder(start)
@@ -163,25 +163,23 @@ def replay_scheme(
     records = _replay(engine, trace, start, memory, steps)
     duration = time.monotonic() - start
     engine.check_no_leaks()
-    cold_after = _cold_load_counts(engine)
+    cold_after, after = _cold_load_counts(engine), engine.figures()
     run = SchemeRun(
         scheme=scheme,
         records=records,
-        swap_ms=list(engine.adapters.stats.swap_ms[swaps_before:]),
-        evictions=engine.adapters.stats.evictions - evictions_before,
+        swap_ms=list(after.swap_ms[len(before.swap_ms) :]),
+        evictions=after.evictions - before.evictions,
         lookups=recorder.lookups,
         # with no seat cap, the most adapters it ever held at once bounds its hits just as well
-        slots=1
-        if engine.adapters.merged_mode
-        else engine.config.max_loras or engine.adapters.stats.peak_resident,
-        kv_conflicts=engine.blocks.stats.conflicts - conflicts_before,
+        slots=1 if after.merged_mode else engine.config.max_loras or after.peak_resident,
+        kv_conflicts=after.kv_conflicts - before.kv_conflicts,
         cold_loads={k: cold_after[k] - cold_before[k] for k in cold_after},
         memory=memory.peak(),
         peak_rss=peak_rss_now(),
         duration_s=duration,
         served=[r.adapter_id for r in trace],
         binds=recorder.ordered_binds(),
-        start_resident=start_resident,
+        start_resident=before.resident,
         steps=[s for s in steps if s.step > steps_before],
     )
     engine.shutdown()
@@ -266,19 +264,14 @@ class MemoryWatch:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        model = engine.model
-        self.fixed = {
-            "weights": model.weight_bytes(),
-            "cache_pool": engine.pool.nbytes(),
-        }
+        memory = engine.memory()
+        self.fixed = {"weights": memory.weights, "cache_pool": memory.cache_pool}
         self.merge_copies = 0
-        self.merge_delta = 0
-        if engine.adapters.merged_mode:
-            self.merge_delta = model.merge_transient_bytes()
+        self.merge_delta = memory.merge_transient
         self.sample()
 
     def sample(self) -> None:
-        self.merge_copies = max(self.merge_copies, self.engine.model.merge_copy_bytes())
+        self.merge_copies = max(self.merge_copies, self.engine.memory().merge_copies)
 
     def peak(self) -> dict[str, int]:
         parts = {**self.fixed, "merge_copies": self.merge_copies,

@@ -47,6 +47,7 @@ from lora_guard.bench.replay import (
 from lora_guard.bench.report import aggregate, markdown_table, summarize
 from lora_guard.bench.target import replay_target
 from lora_guard.bench.vllm_peer import peer_python, replay_vllm
+from lora_guard.config import engine_names
 from lora_guard.workload.stats import median
 from lora_guard.workload.trace import (
     TraceError,
@@ -61,6 +62,8 @@ T = TypeVar("T")
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    # Each scheme and peer (torch, PEFT, vLLM) is handed the device and dtype by name: auto's, too.
+    args.device, args.dtype = engine_names(args.device, args.dtype)
     if args.sweep:
         from lora_guard.bench import sweep
 
@@ -347,7 +350,7 @@ def _model_and_spec(args: argparse.Namespace, scratch: Path) -> tuple[Path, Path
         return demo.model_dir, args.adapter_dir or demo.adapter_dir, spec
     if args.adapter_dir is None:
         raise SystemExit("error: --adapter-dir is needed with --model")
-    return args.model, args.adapter_dir, spec
+    return Path(args.model), args.adapter_dir, spec
 
 
 def _call(isolated: bool, fn: Callable[..., T], *args: Any) -> T:

@@ -40,7 +40,7 @@ def make_system(
         command = [
             sys.executable, "-m", "lora_guard.cli", "serve", "--model", str(model),
             "--adapter-dir", str(adapter_dir), "--host", "127.0.0.1", "--port", str(port),
-            "--cache-memory", options.kv_cache_memory, "--dtype", options.dtype,
+            "--cache-memory", str(options.kv_cache_memory), "--dtype", options.dtype,
             "--max-num-seqs", str(options.max_num_seqs),
         ]  # fmt: skip
         if options.max_loras:

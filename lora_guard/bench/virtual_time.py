@@ -3,14 +3,15 @@ its policies, on a clock that each step's modelled cost moves.
 
 A wall-clock replay on a shared machine measures the machine as much as the policies. Here the real
 engine (scheduler, residency, cache pool, policies, a tiny model's forward) runs every step as fast
-as it can, and the engine's clock (``time.monotonic``, which every policy and the residency quantum
-read) advances by what that step would cost on the demo model: the simulator's calibrated costs
-(``simulate_costs.Costs``: a fixed part, a part per sequence, per MiB of adapter weights the batch
-reads and per prompt token, plus each adapter written into the pool, per MiB). Adapter bytes are
-counted as the same adapter (rank, targets) would take on the demo model. A read from disk lands at
-the next step. A request a policy turns away (429) is sent again after its retry-after, as a
-client would. Arrivals are replayed on that clock, at ``--load`` of the capacity measured the same
-way (the bench's capacity run, on the base model). The same command gives the same figures on any
+as it can, and the engine's clock (the ``clock`` it is given, which every policy, the heat and
+load windows and the residency quantum read) advances by what that step would cost on the demo
+model: the simulator's calibrated costs (``simulate_costs.Costs``: a fixed part, a part per
+sequence, per MiB of adapter weights the batch reads and per prompt token, plus each adapter
+written into the pool, per MiB). Adapter bytes are counted as the same adapter (rank, targets)
+would take on the demo model. A read from disk lands at the next step. A request a policy turns
+away (429) is sent again after its retry-after, as a client would. Arrivals are replayed on that
+clock, at ``--load`` of the capacity measured the same way (the bench's capacity run, on the base
+model). The same command gives the same figures on any
 machine, busy or not; what it cannot show is a real cost the model leaves out.
 
     python -m lora_guard.bench.virtual_time --scenario pressure --seeds 0,1,2 --json out.json
@@ -23,9 +24,7 @@ import heapq
 import json
 import statistics
 import tempfile
-import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from typing import Any
 from lora_guard.bench.capacity import CAPACITY_BATCH, Capacity, arrival_rate, capacity_prompts
 from lora_guard.bench.replay import Bind, BindRecorder, RequestRecord
 from lora_guard.bench.report import decode_tokens_per_s, request_tokens_per_s
+from lora_guard.config import add_engine_flags
 from lora_guard.plugins import hookimpl
 from lora_guard.simulate_costs import MIB, Costs, read_costs
 from lora_guard.workload.bounds import compulsory_hit_bound
@@ -64,22 +64,13 @@ DEMO_SHAPE = (576, 1536, 30, 192)
 
 
 class VirtualClock:
+    """The engine's clock in a replay: it moves only when the replay moves it."""
+
     def __init__(self) -> None:
         self.now = 1000.0
 
     def __call__(self) -> float:
         return self.now
-
-
-@contextmanager
-def virtual_clock() -> Iterator[VirtualClock]:
-    """``time.monotonic`` answers the clock's time until the block ends."""
-    clock, real = VirtualClock(), time.monotonic
-    time.monotonic = clock
-    try:
-        yield clock
-    finally:
-        time.monotonic = real
 
 
 def lora_bytes_per_rank(hidden: int, intermediate: int, layers: int, kv_width: int) -> int:
@@ -178,9 +169,8 @@ class Replay:
             cost_ms = self.costs.step(ran.seqs, ran.adapters, ran.prefill_tokens, mib)
         cost_ms += sum(self.costs.write(mib) for mib in self.writes.written)
         self.clock.now += cost_ms / 1000
-        self.peak_kv_blocks = max(self.peak_kv_blocks, self.engine.blocks.num_used_blocks)
-        while not all(f.done() for f in self.engine.adapters.loader.pending.values()):
-            time.sleep(0.0005)
+        self.peak_kv_blocks = max(self.peak_kv_blocks, self.engine.figures().kv_blocks_used)
+        self.engine.wait_for_reads()
         return list(outputs)
 
     def run(self, trace: Sequence[TraceRequest], adapters: bool) -> tuple[list[RequestRecord], int]:
@@ -204,7 +194,7 @@ class Replay:
                 attempt = f"{trace_id}#{record.retries}"
                 params = SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=True)
                 if record.adapter_id is not None and not record.retries:
-                    hit = self.engine.adapters.current(record.adapter_id) is not None
+                    hit = record.adapter_id in self.engine.figures().resident
                     self.arrivals.append((record.adapter_id, hit))
                 self.engine.add_request(attempt, self.llm.tokenizer.encode(r.prompt), params,
                                         record.adapter_id, r.tenant)  # fmt: skip
@@ -254,24 +244,25 @@ class Bench:
         return {a: b * self.scale / MIB for a, b in self.adapter_bytes.items()}
 
     def llm(
-        self, policies: str | None, cache_memory: int, max_loras: int, pin: Sequence[str] = ()
-    ) -> Any:
+        self, clock: VirtualClock, policies: str | None, cache_memory: int, max_loras: int,
+        pin: Sequence[str] = (),
+    ) -> Any:  # fmt: skip
         from lora_guard.engine import LLM
 
         return LLM(self.model, adapter_dir=self.adapter_dir, max_cpu_loras=len(self.adapter_ids),
                    cache_memory=cache_memory, max_loras=max_loras, max_lora_rank=64,
-                   policies=policies, settings={"pin": list(pin)})  # fmt: skip
+                   policies=policies, settings={"pin": list(pin)}, clock=clock)  # fmt: skip
 
     def pages_bytes(self, adapter_ids: Sequence[str]) -> int:
         """Bytes of the pool pages ``adapter_ids`` take together."""
-        with virtual_clock() as clock:
-            llm = self.llm("lru", 64 * MIB, 0)
-            replay = self.replay(llm, clock)
-            warm_up(replay, adapter_ids)
-            engine = llm.engine
-            pages = sum(engine.adapters.pages_by_adapter(adapter_ids).values())
-            page_bytes = engine.pool.nbytes() // engine.pool.num_pages
-            engine.shutdown()
+        clock = VirtualClock()
+        llm = self.llm(clock, "lru", 64 * MIB, 0)
+        replay = self.replay(llm, clock)
+        warm_up(replay, adapter_ids)
+        engine = llm.engine
+        pages = sum(engine.adapter_pages(list(adapter_ids)).values())
+        page_bytes = engine.memory().page_bytes
+        engine.shutdown()
         return int(pages * page_bytes)
 
     def replay(self, llm: Any, clock: VirtualClock) -> Replay:
@@ -283,13 +274,13 @@ def capacity(bench: Bench, spec: WorkloadSpec) -> Capacity:
     trace = [TraceRequest(f"cap-{i}", 0.0, "t0", None, prompt, n)
              for i, (prompt, n) in enumerate(capacity_prompts(spec, bench.adapter_ids))
              ]  # fmt: skip
-    with virtual_clock() as clock:
-        llm = bench.llm("lru", 64 * MIB, 0)
-        replay = bench.replay(llm, clock)
-        started = clock.now
-        records, _ = replay.run(trace, adapters=False)
-        elapsed = clock.now - started
-        llm.engine.shutdown()
+    clock = VirtualClock()
+    llm = bench.llm(clock, "lru", 64 * MIB, 0)
+    replay = bench.replay(llm, clock)
+    started = clock.now
+    records, _ = replay.run(trace, adapters=False)
+    elapsed = clock.now - started
+    llm.engine.shutdown()
     tokens = sum(len(r.tokens) for r in records)
     return Capacity(len(records) / elapsed, tokens / elapsed, CAPACITY_BATCH, tokens / len(records))
 
@@ -302,26 +293,26 @@ def run_scheme(
     pin: Sequence[str] = ()
     if scheme == ALL_RESIDENT:
         pin, cache_memory = asked, cache_memory + bench.pages_bytes(asked)
-    with virtual_clock() as clock:
-        max_loras = 0 if scheme in ("base", ALL_RESIDENT) else bench.max_loras
-        llm = bench.llm(SCHEMES[scheme], cache_memory, max_loras, pin)
-        replay = bench.replay(llm, clock)
-        adapters = scheme != "base"
-        if adapters:
-            warm_up(replay, asked)
-        engine = llm.engine
-        loads = engine.adapters.stats.loads
-        resident = tuple(e.adapter_id for e in engine.adapters.residents() if not e.stale)
-        recorder = BindRecorder(clock.now)
-        engine.hooks.pm.register(recorder, name="virtual-time-binds")
-        replay.peak_kv_blocks = 0
-        records, rejected = replay.run(trace, adapters)
-        engine.check_no_leaks()
-        tenants = {r.id: r.tenant for r in trace}
-        result = Result(scheme, records, tenants, engine.adapters.stats.loads - loads,
-                        recorder.ordered_binds(), resident, rejected, replay.arrivals)  # fmt: skip
-        kv_bytes = replay.peak_kv_blocks * engine.pool.nbytes() // engine.pool.num_pages
-        engine.shutdown()
+    clock = VirtualClock()
+    max_loras = 0 if scheme in ("base", ALL_RESIDENT) else bench.max_loras
+    llm = bench.llm(clock, SCHEMES[scheme], cache_memory, max_loras, pin)
+    replay = bench.replay(llm, clock)
+    adapters = scheme != "base"
+    if adapters:
+        warm_up(replay, asked)
+    engine = llm.engine
+    before = engine.figures()
+    recorder = BindRecorder(clock.now, clock)
+    engine.hooks.pm.register(recorder, name="virtual-time-binds")
+    replay.peak_kv_blocks = 0
+    records, rejected = replay.run(trace, adapters)
+    engine.check_no_leaks()
+    tenants = {r.id: r.tenant for r in trace}
+    loads = engine.figures().loads - before.loads
+    result = Result(scheme, records, tenants, loads, recorder.ordered_binds(), before.resident,
+                    rejected, replay.arrivals)  # fmt: skip
+    kv_bytes = replay.peak_kv_blocks * engine.memory().page_bytes
+    engine.shutdown()
     return result, kv_bytes
 
 
@@ -485,7 +476,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--scenario", choices=SCENARIOS, default="zipf")
     add("--trace", type=Path, help="replay this JSONL trace (the bench's format; adapters it names "
         "are made for the tiny model, ranks from an optional 'rank' field)")  # fmt: skip
-    add("--max-loras", type=int, default=0, help="adapter seats (0: no cap, the pages decide)")
+    # The engine's flags as `lora-guard serve` has them. Without --cache-memory the pool is sized
+    # here, by the scenario (not a quarter of free memory): the figures depend on no machine.
+    add_engine_flags(parser, ["max_loras", "cache_memory"], shown={"cache_memory": "64MiB; "
+                     "pressure: sized so the adapters in use over a minute take 3x the room "
+                     "beside the KV the load needs"})  # fmt: skip
     add("--seeds", default=None, help="comma-separated trace seeds (default: 0)")
     add("--seed", type=int, help="one seed: --seeds N")
     add("--requests", type=int, help="requests per seed (default 200; pressure: 1000)")
@@ -493,9 +488,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--tenants", type=int, help="tenants (default 6; pressure: 8)")
     add("--load", type=float, default=0.7, help="share of the capacity")
     add("--output-mean", type=float, default=64.0)
-    add("--cache-memory", help="the cache pool, e.g. 16MiB (default: 64MiB; pressure: sized so "
-        "the adapters in use over a minute take 3x the room beside the KV the load needs)",
-        )  # fmt: skip
     add("--costs", type=Path, help="costs JSON (simulate --calibrate)")
     add("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
@@ -504,7 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown scheme {unknown[0]!r}; choose from {', '.join(SCHEMES)}")
     seeds = _seeds(parser, args)
-    cache_memory = _bytes(parser, args.cache_memory) if args.cache_memory else None
+    cache_memory = args.cache_memory  # bytes, or None
     spec = _spec(args)
     costs = read_costs(args.costs) if args.costs else Costs()
     with tempfile.TemporaryDirectory() as tmp:
@@ -556,15 +548,6 @@ def _seeds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[in
     if not seeds or len(set(seeds)) != len(seeds):
         parser.error(f"--seeds takes distinct whole numbers such as 0,1,2, got {args.seeds!r}")
     return seeds
-
-
-def _bytes(parser: argparse.ArgumentParser, text: str) -> int:
-    from lora_guard.engine.config import ConfigError, parse_memory
-
-    try:
-        return parse_memory(text)
-    except ConfigError as exc:
-        parser.error(f"--cache-memory: {exc}")
 
 
 def _spec(args: argparse.Namespace) -> WorkloadSpec:

@@ -53,7 +53,7 @@ def replay_vllm(
     """Start vLLM on ``port``, replay ``trace`` against it in real time, stop it."""
     from transformers import AutoTokenizer
 
-    from lora_guard.engine.llm_engine import encode_text
+    from lora_guard.engine.tokens import encode_text
 
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     adapters = sorted({r.adapter_id for r in trace if r.adapter_id is not None})

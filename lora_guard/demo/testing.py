@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
+T = TypeVar("T")
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -149,6 +150,25 @@ def reference_greedy(
         if adapter is not None:
             base = model.unload()
     return results
+
+
+def eventually(
+    check: Callable[[], T], *, timeout_s: float = 10.0, interval_s: float = 0.05, what: str = ""
+) -> T:
+    """Call ``check`` every ``interval_s`` until it returns something truthy, and return that;
+    after ``timeout_s``, raise AssertionError naming ``what`` and the last value or exception."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = check()
+            if value:
+                return value
+            last: object = value
+        except Exception as exc:  # tried again until the deadline, then reported
+            last = exc
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}: last {last!r}")
+        time.sleep(interval_s)
 
 
 @dataclass

@@ -12,13 +12,13 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from lora_guard.engine.llm_engine import LLMEngine, RequestOutput
+from lora_guard.engine.llm_engine import LLMEngine
+from lora_guard.engine.outputs import RequestOutput
 from lora_guard.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+        self.engine, self.clock = engine, engine.clock  # the engine's clock: arrivals count on it
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -106,7 +106,7 @@ class AsyncEngine:
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's state after every step that changed it; the last one is finished.
 
-        ``arrival_time`` (``time.monotonic()``) is when the request reached the caller, such as
+        ``arrival_time`` (on :attr:`clock`) is when the request reached the caller, such as
         the HTTP server; by default, now. Raises the engine's refusals before the first output:
         :class:`RequestError`, or its :class:`UnknownAdapterError` for an adapter the engine does
         not know (asked on the loop thread, and nowhere before).
@@ -118,7 +118,7 @@ class AsyncEngine:
         self._send(
             _Add(
                 request_id, prompt, params or SamplingParams(), adapter_id, tenant_id, stream,
-                time.monotonic() if arrival_time is None else arrival_time,
+                self.clock() if arrival_time is None else arrival_time,
             )
         )  # fmt: skip
         finished = False

@@ -4,7 +4,7 @@ the residency manager, the engine the scheduler and the runner."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +51,17 @@ def build_engine(
         lora_mode="merged" if {"static", "on-demand"} & set(policies) else "slots",
         static_adapter=static_adapter if "static" in policies else None,
     )
-    hooks.configure({**asdict(engine_config), **settings})
+    hooks.configure({**plain_settings(engine_config), **settings})
     engine = engine_from_config(engine_config, hooks, adapters, adapter_dir)
     usage = engine.adapters.usage  # the engine keeps the pins and the heat
     usage.arrivals.window_s = float(settings.get("heat_window_s", usage.arrivals.window_s))
     usage.pin(*id_list(settings.get("pin")))
     return engine
+
+
+def plain_settings(config: EngineConfig) -> dict[str, Any]:
+    """``config`` as the settings plugins are configured with: its values, not its clock."""
+    return {f.name: getattr(config, f.name) for f in fields(config) if f.name != "clock"}
 
 
 def engine_from_config(
@@ -110,10 +115,12 @@ def engine_from_config(
     )
     residency: Residency
     if config.lora_mode == "merged":
-        residency = MergedResidency(*tiers, merge=runner.merge, events=hooks)
+        residency = MergedResidency(*tiers, merge=runner.merge, events=hooks, clock=config.clock)
     else:
         quantum_s = config.residency_quantum_ms / 1000
-        residency = ResidencyManager(pool, *tiers, events=hooks, quantum_s=quantum_s)
+        residency = ResidencyManager(
+            pool, *tiers, events=hooks, quantum_s=quantum_s, clock=config.clock
+        )
     if adapter_dir is not None:
         residency.registry.add_dir(Path(adapter_dir).expanduser())
     for adapter_id, path in (adapters or {}).items():
@@ -122,7 +129,7 @@ def engine_from_config(
         merge_static(residency, config.static_adapter, spec, config)
     scheduler = Scheduler(
         blocks, residency, hooks, model_id, config.max_batch_tokens, config.max_num_seqs,
-        reject_when_busy=config.reject_when_busy, page_bytes=page_bytes,
+        reject_when_busy=config.reject_when_busy, page_bytes=page_bytes, clock=config.clock,
     )  # fmt: skip
     check = RequestCheck(
         residency.registry,

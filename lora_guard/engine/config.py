@@ -9,6 +9,7 @@ without help (``lora_mode``, ...) are set by the engine's builder, never by user
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
@@ -274,6 +275,9 @@ class EngineConfig:
     lora_mode: str = "slots"
     static_adapter: str | None = None
     reject_when_busy: bool = True  # False: a policy's "busy" makes a request wait (LLM.generate)
+    #: the engine's time in seconds: arrivals, heat windows, the residency quantum and the state
+    #: view's ``now`` read it (durations measured for reports stay on ``time.perf_counter``)
+    clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
         for f in user_fields():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import torch
 
 from lora_guard.engine.builder import build_engine as build_engine  # its former home
 from lora_guard.engine.config import describe, user_fields
-from lora_guard.engine.llm_engine import RequestOutput
+from lora_guard.engine.outputs import RequestOutput
 from lora_guard.engine.sampling import SamplingParams
 from lora_guard.plugins.manager import Hooks, make_plugin_manager, parse_policies
 
@@ -35,6 +36,8 @@ class LLM:
     :param disabled_plugins: plugin names not to load (built-ins and entry points alike).
     :param settings: plugin settings by name (``{"cold_loads_per_minute": 6}``); see
         ``docs/policies.md``.
+    :param clock: the engine's time in seconds (``time.monotonic``): arrivals, the heat window,
+        the residency quantum and the policies' ``state.now`` read it; a simulation passes its own.
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class LLM:
         plugins: SequenceOf[str] = (),
         disabled_plugins: SequenceOf[str] = (),
         settings: dict[str, Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         given = locals()
         config = {f.name: given[f.name] for f in user_fields()}  # the engine's fields, once
@@ -72,7 +76,7 @@ class LLM:
         hooks = Hooks(make_plugin_manager(chosen, plugins, disabled_plugins))
         self.engine = build_engine(hooks, chosen, settings or {}, adapters=adapters,
                                    adapter_dir=adapter_dir, reject_when_busy=False,
-                                   **config)  # fmt: skip
+                                   clock=clock, **config)  # fmt: skip
         self._ids = itertools.count()
 
     @property
@@ -81,7 +85,7 @@ class LLM:
 
     def add_adapter(self, adapter_id: str, path: str | Path) -> None:
         """Add an adapter, or replace one; replaced weights are read again on next use."""
-        self.engine.adapters.register(adapter_id, Path(path))
+        self.engine.register_adapter(adapter_id, Path(path))
 
     def generate(
         self,

@@ -6,88 +6,31 @@ thread-safe: one thread drives it (``LLM`` directly, ``AsyncEngine`` from its lo
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from collections import deque
-from dataclasses import asdict, dataclass, field
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 
-from lora_guard.engine.config import ConfigError, EngineConfig
+from lora_guard.engine.config import EngineConfig
 from lora_guard.engine.errors import RequestError as RequestError  # re-exported
+from lora_guard.engine.outputs import EngineStats, RequestOutput, StepLog, StepRecord
+from lora_guard.engine.queries import EngineQueries
 from lora_guard.engine.request_check import RequestCheck
 from lora_guard.engine.runner import ModelRunner, StepResult
 from lora_guard.engine.sampling import SamplingParams
 from lora_guard.engine.scheduler import Scheduler, SchedulerOutput
 from lora_guard.engine.sequence import FinishReason, Sequence
+from lora_guard.engine.tokens import encode_text, eos_token_ids
 from lora_guard.plugins.manager import Hooks
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class RequestOutput:
-    """A request's state after a step: everything generated so far."""
+class LLMEngine(EngineQueries):
+    """One base model, its adapters and the step loop; what callers outside the engine ask of
+    it is in :class:`EngineQueries`."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    logprobs: list[float]
-    finished: bool
-    finish_reason: str | None
-    num_cached_tokens: int = 0
-    error: str | None = None
-    stop_sequence: str | None = None
-    retry_after: float | None = None  # set when a policy answered "busy, retry later"
-
-    @classmethod
-    def of(cls, seq: Sequence, text: str, stop_sequence: str | None = None) -> RequestOutput:
-        return cls(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            text=text,
-            logprobs=list(seq.logprobs),
-            finished=seq.finish_reason is not None,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            num_cached_tokens=seq.num_cached_tokens,
-            error=seq.error,
-            stop_sequence=stop_sequence,
-            retry_after=seq.retry_after,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    """What one step computed and how long it took: a fleet's step log, to which
-    ``lora-guard simulate``'s step cost can be fitted (``simulate_costs.fit_steps``)."""
-
-    step: int  # the engine's step count after it
-    finished_at: float  # wall-clock time.time() at its end
-    seconds: float  # wall time, from scheduling to the observers told of it
-    seqs: int
-    adapters: int  # distinct adapters in the batch
-    adapter_bytes: int  # their weights, which the batch read
-    prefill_tokens: int
-    loads: int  # adapters written into the pool in the step
-
-
-RECENT_STEPS = 4096
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    preemptions: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    recent_steps: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
-
-
-class LLMEngine:
     def __init__(
         self,
         config: EngineConfig,
@@ -100,22 +43,16 @@ class LLMEngine:
     ) -> None:
         self.config, self.hooks, self.tokenizer, self.model_id = config, hooks, tokenizer, model_id
         self.scheduler, self.runner, self.check = scheduler, runner, check
+        self.clock = config.clock
         self.max_model_len = check.max_model_len
         self.eos_token_ids = eos_token_ids(runner.model.config, tokenizer)
         runner.eos_token_ids = frozenset(self.eos_token_ids)
-        # the parts callers read (admin routes, bench, tests); the engine goes through its owners
+        # the parts, for the engine's own modules and white-box tests (callers: EngineQueries)
         self.adapters, self.blocks = scheduler.adapters, scheduler.blocks
         self.model, self.pool = runner.model, runner.pool
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
-        self.step_log: TextIO | None = None
-        if config.step_log:  # line buffered: each line one append, so replicas may share a file
-            try:
-                self.step_log = open(config.step_log, "a", buffering=1)  # noqa: SIM115
-            except OSError as exc:
-                raise ConfigError(
-                    f"step_log: cannot write {config.step_log}: {exc.strerror}"
-                ) from None
+        self.step_log = StepLog.open(config.step_log)
 
     # requests
     def add_request(
@@ -129,8 +66,9 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> Sequence:
         """Queue a request. Raises :class:`RequestError` before queuing anything, as
-        ``UnknownAdapterError`` for an adapter the registry does not hold. ``arrival_time`` (a
-        ``time.monotonic()``) is when the request reached the engine, if before this call."""
+        ``UnknownAdapterError`` for an adapter the registry does not hold. ``arrival_time`` (on
+        the engine's clock, :attr:`clock`) is when the request reached the engine, if before
+        this call."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -139,7 +77,7 @@ class LLMEngine:
         self.check.prompt(token_ids, params)
         seq = Sequence(
             request_id, token_ids, params, adapter_id, tenant_id,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
             cache_salt=cache_salt,
         )  # fmt: skip
         if params.seed is not None:
@@ -195,7 +133,7 @@ class LLMEngine:
         prefill = sum(s.num_new_tokens for s in plan.scheduled  # all but decodes' tokens
                       if s.seq.num_computed_tokens + 1 < len(s.seq.token_ids))  # fmt: skip
         self.scheduler.advance(plan)
-        now, outputs = time.monotonic(), []
+        now, outputs = self.clock(), []
         for seq, token, logprob in zip(result.sampled, result.tokens, result.logprobs, strict=True):
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -212,12 +150,7 @@ class LLMEngine:
             len(adapters), sum(adapters.values()), prefill, self.adapters.stats.loads - loads,
         )  # fmt: skip
         self.stats.recent_steps.append(record)
-        if self.step_log is not None:
-            try:
-                self.step_log.write(json.dumps(asdict(record)) + "\n")
-            except OSError as exc:  # a full disk stops the log, never the engine
-                log.warning("step log %s stopped: %s", self.config.step_log, exc)
-                self.step_log = None
+        self.step_log.write(record)
         return outputs
 
     def _after_token(self, seq: Sequence, token: int) -> RequestOutput:
@@ -247,7 +180,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.finish(seq)
         self.requests.pop(seq.request_id, None)
-        seq.finish_reason = reason
+        seq.finish_reason, seq.finished_time = reason, self.clock()
         self.hooks.notify(
             "lora_guard_request_finished",
             request=seq.view(), finish_reason=reason.value, error=seq.error,
@@ -275,23 +208,4 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.adapters.loader.shutdown()
-        if self.step_log is not None:
-            self.step_log.close()
-
-
-def encode_text(tokenizer: Any, prompt: str) -> list[int]:
-    """Token ids of a text prompt as the engine reads it: a chat-templated prompt already starts
-    with the BOS text, so no second one is added."""
-    bos = tokenizer.bos_token
-    templated = bool(bos) and prompt.startswith(bos)
-    return list(tokenizer.encode(prompt, add_special_tokens=not templated))
-
-
-def eos_token_ids(config: object, tokenizer: object) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, list | tuple):
-            ids.update(int(x) for x in source)
-    return ids
+        self.step_log.close()

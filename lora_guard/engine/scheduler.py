@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -69,9 +70,10 @@ class Scheduler:
         max_num_seqs: int,
         reject_when_busy: bool = True,
         page_bytes: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.blocks, self.adapters, self.hooks, self.model_id = blocks, adapters, hooks, model_id
-        self.reject_when_busy, self.page_bytes = reject_when_busy, page_bytes
+        self.reject_when_busy, self.page_bytes, self.clock = reject_when_busy, page_bytes, clock
         self.max_batch_tokens, self.max_num_seqs = max_batch_tokens, max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -85,7 +87,7 @@ class Scheduler:
             self._state = None  # its files changed on disk: read again
         need = self.adapters.need(seq)
         if seq.adapter_id is not None and need is not None and not need.ready:
-            seq.adapter_needed_at = time.monotonic()  # its wait for the adapter begins now
+            seq.adapter_needed_at = self.clock()  # its wait for the adapter begins now
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -93,7 +95,7 @@ class Scheduler:
     def state(self, *, fresh: bool = False) -> EngineState:
         """A read-only view of the engine for the hooks, taken once per scheduling pass."""
         if self._state is None or fresh:
-            adapters, usage, now = self.adapters, self.adapters.usage, time.monotonic()
+            adapters, usage, now = self.adapters, self.adapters.usage, self.clock()
             running = Counter(s.adapter_id for s in self.running if s.adapter_id)
             blocks = self.blocks
             self._state = EngineState(
@@ -207,7 +209,7 @@ class Scheduler:
 
     def _bring_in_adapters(self, out: SchedulerOutput, waiting: list[Sequence]) -> None:
         """Bring in the adapters that parked and waiting sequences need, the oldest need first."""
-        now = time.monotonic()
+        now = self.clock()
 
         def needs(seq: Sequence) -> bool:
             need = self.adapters.need(seq)
@@ -285,13 +287,13 @@ class Scheduler:
             return True
         if not need.ready:
             if seq.status is Status.RUNNING and seq.parked_since is None:
-                seq.parked_since = seq.adapter_needed_at = time.monotonic()
+                seq.parked_since = seq.adapter_needed_at = self.clock()
             return False
         if seq.adapter_id is None:
             seq.adapter_needed_at = None
         elif seq.adapter_needed_at is not None or seq.parked_since is not None:
-            started = seq.adapter_needed_at or seq.parked_since or time.monotonic()
-            wait_ms = (time.monotonic() - started) * 1000
+            started = seq.adapter_needed_at or seq.parked_since or self.clock()
+            wait_ms = (self.clock() - started) * 1000
             seq.adapter_needed_at = seq.parked_since = None
             self.hooks.notify("lora_guard_adapter_ready", request=seq.view(), wait_ms=wait_ms)
         elif not seq.adapter_ready_once:

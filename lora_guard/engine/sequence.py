@@ -74,6 +74,7 @@ class Sequence:
     retry_after: float | None = None
     generator: torch.Generator | None = None
     first_token_time: float | None = None
+    finished_time: float | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -107,4 +108,5 @@ class Sequence:
             cache_salt=self.cache_salt,
             max_new_tokens=self.params.max_new_tokens,
             first_token_time=self.first_token_time,
+            finished_time=self.finished_time,
         )

@@ -72,14 +72,19 @@ class SlidingWindow(Generic[K]):
 class AdapterUsage:
     """Pins, heat and recent loads of one engine's adapters."""
 
-    def __init__(self, max_loras: int, heat_window_s: float = WINDOW_S) -> None:
+    def __init__(
+        self,
+        max_loras: int,
+        heat_window_s: float = WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.max_loras = max_loras  # 0: no seat cap
         self.pinned: tuple[str, ...] = ()  # in the order pinned
-        self.arrivals: SlidingWindow[tuple[str, str]] = SlidingWindow(heat_window_s)
-        self.disk_reads: SlidingWindow[str] = SlidingWindow(WINDOW_S)
+        self.arrivals: SlidingWindow[tuple[str, str]] = SlidingWindow(heat_window_s, clock)
+        self.disk_reads: SlidingWindow[str] = SlidingWindow(WINDOW_S, clock)
         # loads that evicted an adapter requests still needed, made for a request not running
         # yet (a parked request's reload is paced by the residency quantum)
-        self.evicting_loads: SlidingWindow[str] = SlidingWindow(WINDOW_S)
+        self.evicting_loads: SlidingWindow[str] = SlidingWindow(WINDOW_S, clock)
 
     # pins
     def pin(self, *adapter_ids: str) -> None:

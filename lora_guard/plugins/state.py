@@ -23,7 +23,10 @@ class RequestView:
     waited_steps: int
     cache_salt: str | None = None
     max_new_tokens: int = 0
-    first_token_time: float | None = None  # time.monotonic() at its first token; None before
+    # the engine's clock (``EngineConfig.clock``, ``time.monotonic`` unless given) at its arrival,
+    # first token and end; None before
+    first_token_time: float | None = None
+    finished_time: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +51,7 @@ class EngineState:
     """The engine between two steps.
 
     :param step: steps run so far.
-    :param now: ``time.monotonic()`` when the view was taken.
+    :param now: the engine's clock when the view was taken.
     :param slots: every device slot.
     :param host_adapters: adapters held in host memory, least recently used first.
     :param loading: adapters being read from disk.
@@ -64,7 +67,7 @@ class EngineState:
     :param pinned: adapters the engine keeps resident once loaded (``pin``, or the admin route).
     :param cold_loads_in_window: adapter reads from disk started in the last 60 s.
     :param evicting_loads: when each load of the last 60 s that evicted an adapter requests
-        still needed happened (``time.monotonic()``, oldest first), counting loads for requests
+        still needed happened (on the engine's clock, oldest first), counting loads for requests
         not yet running (a parked request's reload is paced by the residency quantum).
     :param num_preemptions: running requests preempted (KV pool full) since the engine started.
     :param kv_share: share of the cache pool held by KV blocks in use, 0 to 1.

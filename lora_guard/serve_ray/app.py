@@ -30,7 +30,7 @@ from lora_guard.serve_ray.metrics import merge_metrics
 from lora_guard.tenancy import header_tenant
 
 if TYPE_CHECKING:
-    from lora_guard.engine.llm_engine import StepRecord
+    from lora_guard.engine.outputs import StepRecord
 
 log = logging.getLogger("lora_guard.serve_ray")
 

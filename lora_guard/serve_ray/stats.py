@@ -36,7 +36,7 @@ def routing_stats(engine: LLMEngine) -> dict[str, Any]:
     from lora_guard.policies.cold_budget import ColdLoadBudget
     from lora_guard.policies.hot_set import HotSetPolicy
 
-    state = engine.scheduler.state(fresh=True)
+    state = engine.state()
     pm = engine.hooks.pm
     hot_set = pm.get_plugin("hot-set")
     budget = pm.get_plugin("cold-budget")
@@ -62,7 +62,7 @@ def routing_stats(engine: LLMEngine) -> dict[str, Any]:
         "queue": state.num_running + state.num_waiting,
         "kv_bytes": int(state.pool_bytes.get("kv", 0)),
         "adapter_bytes": adapter_bytes,
-        "loads": engine.adapters.stats.loads,
+        "loads": engine.figures().loads,
         "metrics": metrics.render().decode() if metrics is not None else "",
     }
 

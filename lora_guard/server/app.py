@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -42,7 +41,7 @@ def create_app(state: ServerState) -> FastAPI:
 
 class Door:
     """Every HTTP request's first stop: stamps its arrival (``request.state.arrival``, the
-    ``time.monotonic()`` the engine's TTFT and queue time count from) and, when API keys are
+    engine's clock, which its TTFT and queue time count from) and, when API keys are
     configured, authenticates it (``request.state.api_key``). A plain ASGI middleware, so that
     streamed answers pass through untouched."""
 
@@ -52,7 +51,7 @@ class Door:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             seen = scope.setdefault("state", {})
-            seen["arrival"] = time.monotonic()
+            seen["arrival"] = self.state.engine.clock()
             if self.state.keys is not None and scope["path"] not in OPEN_PATHS:
                 header = Request(scope).headers.get("authorization")
                 try:

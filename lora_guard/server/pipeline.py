@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from lora_guard.engine.llm_engine import RequestOutput
+from lora_guard.engine.outputs import RequestOutput
 from lora_guard.engine.sampling import InvalidParams, SamplingParams
 from lora_guard.server.errors import APIError, validation
 from lora_guard.server.state import ServerState, state_of

@@ -4,7 +4,7 @@ unpin. With an API-key file, only admin keys may call these."""
 from __future__ import annotations
 
 import asyncio
-import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from lora_guard.engine.errors import UnknownAdapterError
 from lora_guard.engine.llm_engine import LLMEngine
-from lora_guard.engine.lora import AdapterError, read_adapter
+from lora_guard.engine.lora import AdapterError
 from lora_guard.engine.lora.registry import valid_adapter_id
 from lora_guard.engine.threads import serially
 from lora_guard.server.auth import require_admin
@@ -72,39 +72,10 @@ async def list_adapters(request: Request) -> list[dict[str, Any]]:
     state = _admin(request)
 
     def snapshot(engine: LLMEngine) -> list[dict[str, Any]]:
-        adapters = engine.adapters
-        view = engine.scheduler.state(fresh=True)
-        rows = []
-        for adapter_id, entry in sorted(adapters.registry.entries.items()):
-            path = entry.path
-            tier = adapters.tier(adapter_id).value
-            host = adapters.host.entries.get(adapter_id)
-            rows.append({
-                "id": adapter_id,
-                "tier": {"hot": "device", "warm": "host", "cold": "disk"}.get(tier, tier),
-                "pinned": adapter_id in view.pinned,
-                "rank": host.rank if host else _config_rank(path),
-                "bytes": host.nbytes if host else _weights_bytes(path),
-                "heat": view.heat.get(adapter_id, 0),
-            })  # fmt: skip
-        return rows
+        return [asdict(row) for row in engine.adapter_rows()]
 
     rows: list[dict[str, Any]] = await state.engine.call(snapshot)
     return rows
-
-
-def _config_rank(path: Path) -> int | None:
-    try:
-        return int(json.loads((path / "adapter_config.json").read_text())["r"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _weights_bytes(path: Path) -> int | None:
-    try:
-        return (path / "adapter_model.safetensors").stat().st_size
-    except OSError:
-        return None
 
 
 @router.post("/load_lora_adapter")
@@ -112,12 +83,11 @@ async def load_lora_adapter(body: LoadAdapter, request: Request) -> PlainTextRes
     state = _admin(request)
     name = _name(body.lora_name)
     folder, root = _inside_adapter_dirs(state, name, body.lora_path)
-    spec, max_rank = state.llm.model.spec, state.llm.config.max_lora_rank
     try:  # refuse it now rather than at its first request
-        await asyncio.to_thread(serially, read_adapter, name, folder, spec, max_rank, root)
+        await asyncio.to_thread(serially, state.llm.read_adapter, name, folder, root)
     except AdapterError as exc:
         raise validation(str(exc)) from None
-    await state.engine.call(lambda engine: engine.adapters.register(name, folder, root))
+    await state.engine.call(lambda engine: engine.register_adapter(name, folder, root))
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -126,12 +96,8 @@ async def unload_lora_adapter(body: UnloadAdapter, request: Request) -> PlainTex
     state = _admin(request)
     name = _name(body.lora_name)
 
-    def unload(engine: LLMEngine) -> None:
-        _known(engine, name)
-        engine.adapters.unregister(name)
-
     try:
-        await state.engine.call(unload)
+        await state.engine.call(lambda engine: engine.unregister_adapter(name))
     except UnknownAdapterError as exc:
         raise not_found(str(exc)) from None
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
@@ -151,25 +117,10 @@ async def _pinning(request: Request, adapter_id: str, *, pin: bool) -> dict[str,
     state = _admin(request)
     name = _name(adapter_id)
 
-    def change(engine: LLMEngine) -> list[str]:
-        _known(engine, name)
-        usage = engine.adapters.usage  # the engine's pins: the policies and metrics read them
-        if pin:
-            usage.pin(name)
-        else:
-            usage.unpin(name)
-        return list(usage.pinned)
-
     try:
-        pinned = await state.engine.call(change)
+        pinned = list(await state.engine.call(lambda engine: engine.pin_adapter(name, pin)))
     except UnknownAdapterError as exc:
         raise not_found(str(exc)) from None
     except ValueError as exc:
         raise validation(str(exc)) from None
     return {"pinned": pinned}
-
-
-def _known(engine: LLMEngine, name: str) -> None:
-    """On the engine thread, the one place that knows which adapters exist."""
-    if not engine.adapters.knows(name):
-        raise UnknownAdapterError(f"adapter {name!r} is not known")

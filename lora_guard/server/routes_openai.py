@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from lora_guard.engine.llm_engine import RequestOutput
+from lora_guard.engine.outputs import RequestOutput
 from lora_guard.server.errors import validation
 from lora_guard.server.pipeline import Ask, Run, sse, start
 from lora_guard.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -226,7 +226,7 @@ async def models(request: Request) -> dict[str, Any]:
     state = state_of(request)
     created = int(time.time())
     data = [{"id": state.model_id, "object": "model", "created": created, "owned_by": "lora-guard"}]
-    for adapter_id in sorted(state.llm.adapters.registry.entries):
+    for adapter_id in state.llm.adapter_ids():
         data.append({"id": adapter_id, "object": "model", "created": created,
                      "owned_by": "lora-guard", "parent": state.model_id})  # fmt: skip
     return {"object": "list", "data": data}

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from lora_guard import __version__
-from lora_guard.engine.llm_engine import RequestOutput
+from lora_guard.engine.outputs import RequestOutput
 from lora_guard.server.auth import require_admin
 from lora_guard.server.errors import unavailable, validation
 from lora_guard.server.pipeline import Ask, sse, start

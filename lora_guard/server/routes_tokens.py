@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from lora_guard.engine.llm_engine import encode_text
+from lora_guard.engine.tokens import encode_text
 from lora_guard.server.errors import not_found, validation
 from lora_guard.server.protocol import (
     ChatTokenizeRequest,
@@ -73,6 +73,6 @@ def _encode(state: ServerState, text: str, special: bool = False) -> list[int]:
 
 def _check_model(state: ServerState, model: str | None) -> None:
     """vLLM's bodies may name the model: the base, or an adapter the server has."""
-    if model in (None, "", "tgi", state.model_id) or model in state.llm.adapters.registry.entries:
+    if model in (None, "", "tgi", state.model_id) or state.llm.knows_adapter(model):
         return
     raise not_found(f"The model `{model}` does not exist.")

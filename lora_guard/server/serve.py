@@ -146,6 +146,6 @@ def serve(
         log.warning("no --api-key-file: every route is open to whoever reaches the port, "
                     "adapter administration and /metrics included")  # fmt: skip
     log.info("serving %s with %d adapters on http://%s:%d", engine.model_id,
-             len(engine.adapters.registry.entries), host, port)  # fmt: skip
+             len(engine.adapter_ids()), host, port)  # fmt: skip
     _Server(config).run()
     return 0

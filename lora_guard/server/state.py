@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from lora_guard.engine.async_engine import AsyncEngine
-from lora_guard.engine.llm_engine import RequestOutput
+from lora_guard.engine.outputs import RequestOutput
 from lora_guard.engine.sampling import SamplingParams
 from lora_guard.server.errors import ENGINE_ERRORS, from_engine, generation, overloaded, unavailable
 
@@ -58,7 +58,7 @@ class ServerState:
     ) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs for one request; failures become :class:`APIError` (the engine's
         own through :data:`ENGINE_ERRORS`, answered as the OpenAI routes do when ``openai``).
-        ``arrival`` is when the server received it (``time.monotonic()``), if known."""
+        ``arrival`` is when the server received it (on the engine's clock), if known."""
         if not self.engine.is_alive:
             raise unavailable("the engine is not running")
         if self.in_flight >= self.limits.max_concurrent_requests:

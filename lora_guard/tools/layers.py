@@ -1,8 +1,12 @@
-"""The import graph of ``lora_guard``: its circles, and imports the layering forbids.
+"""The import graph of ``lora_guard``: its circles, imports the layering forbids, and reads of the
+engine's parts from outside it.
 
 ``python -m lora_guard.tools.layers`` prints one line per module with what it imports, then every
-circle and every forbidden import, and exits 1 if there is one. Imports under ``if TYPE_CHECKING:``
-do not count; imports inside functions do (a deferred import still ties the two modules).
+circle, every forbidden import and every reach-through, and exits 1 if there is one. Imports
+under ``if TYPE_CHECKING:`` do not count; imports inside functions do (a deferred import still
+ties the two modules). A reach-through is ``engine.adapters`` (``blocks``, ``pool``, ``model``)
+outside ``lora_guard.engine``, on anything named ``engine`` or ``llm``: callers ask the engine's
+methods (``lora_guard.engine.queries``) instead.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ FORBIDDEN: tuple[tuple[str, str], ...] = (
     ("lora_guard.engine", "lora_guard.bench"),
     ("lora_guard.workload", "lora_guard.bench"),
 )
+
+#: the engine's parts: only the engine's own modules read them
+ENGINE_PARTS = frozenset({"adapters", "blocks", "pool", "model"})
+ENGINE_NAMES = frozenset({"engine", "llm"})  # what callers call an LLMEngine
 
 Graph = dict[str, set[str]]
 
@@ -143,21 +151,41 @@ def forbidden(graph: Graph) -> list[tuple[str, str]]:
     )
 
 
+def reach_through(root: Path) -> list[tuple[str, int, str]]:
+    """``(module, line, expression)`` for each read of an engine part outside the engine."""
+    found = []
+    for module, path in module_files(root).items():
+        if _under(module, f"{root.name}.engine"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Attribute) and node.attr in ENGINE_PARTS):
+                continue
+            owner = node.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+            if name in ENGINE_NAMES:
+                found.append((module, node.lineno, ast.unparse(node)))
+    return sorted(found)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lora_guard.tools.layers", description=__doc__)
     parser.add_argument("--quiet", action="store_true", help="print only circles and violations")
     args = parser.parse_args(argv)
-    graph = import_graph(Path(lora_guard.__file__).parent)
+    root = Path(lora_guard.__file__).parent
+    graph = import_graph(root)
     if not args.quiet:
         for module in sorted(graph):
             print(f"{module}: {' '.join(sorted(graph[module])) or '-'}")
-    loops, bad = circles(graph), forbidden(graph)
+    loops, bad, reads = circles(graph), forbidden(graph), reach_through(root)
     for loop in loops:
         print("circle: " + " <-> ".join(loop))
     for source, target in bad:
         print(f"forbidden: {source} imports {target}")
-    print(f"{len(graph)} modules, {len(loops)} circles, {len(bad)} forbidden imports")
-    return 1 if loops or bad else 0
+    for module, line, expression in reads:
+        print(f"reach-through: {module}:{line} reads {expression}")
+    print(f"{len(graph)} modules, {len(loops)} circles, {len(bad)} forbidden imports, "
+          f"{len(reads)} reach-throughs")  # fmt: skip
+    return 1 if loops or bad or reads else 0
 
 
 if __name__ == "__main__":

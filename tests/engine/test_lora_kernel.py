@@ -3,20 +3,38 @@ pool's pages; and the threads around the step loop kept from slowing it down."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.utils import cpp_extension
+from torch.utils._cpp_extension_versioner import ExtensionVersioner
 
 from lora_guard import LLM, SamplingParams
 from lora_guard.demo.testing import AdapterFactory
 from lora_guard.engine.config import ConfigError
 from lora_guard.engine.lora import kernel
-from lora_guard.engine.lora.compute import LoraBatch, LoraSegment, kernel_plan
+from lora_guard.engine.lora.compute import LoraBatch, LoraSegment, kernel_plan, resolve_mode
 from lora_guard.engine.lora.pool import ModulePart, ProjectionWeights
 from lora_guard.engine.threads import openmp_libraries, serial_thread, serially
+
+
+def why_no_kernel() -> str | None:
+    """Why the kernel cannot be built here (None when it can): the compiler torch's extension
+    builder would call (``$CXX``, else ``c++``) or ninja is missing."""
+    compiler = cpp_extension.get_cxx_compiler()
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler: {compiler!r} ($CXX, else c++) not found; the engine uses the loop"
+    if not cpp_extension.is_ninja_available():
+        return "no ninja: torch cannot build the kernel; the engine uses the loop"
+    return None
+
+
+NO_KERNEL = why_no_kernel()
+needs_kernel = pytest.mark.skipif(NO_KERNEL is not None, reason=NO_KERNEL or "")
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +42,12 @@ def adapters(tiny_adapters: AdapterFactory) -> dict[str, Path]:
     return tiny_adapters(n=6, prefix="k", ranks=(2, 4, 8))
 
 
+@needs_kernel
 def test_the_kernel_builds_and_loads_here() -> None:
     assert kernel.load(), kernel.error()  # a C++ compiler and ninja are part of the set-up
 
 
+@needs_kernel
 def test_the_kernel_runs_on_torchs_own_openmp_runtime() -> None:
     assert kernel.load(), kernel.error()
     # A second runtime would bring a second team of threads, and the steps would slow down.
@@ -68,6 +88,7 @@ DTYPES = pytest.mark.parametrize(
 )
 
 
+@needs_kernel
 @DTYPES
 def test_the_kernel_computes_what_the_loop_does(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
@@ -86,6 +107,7 @@ def test_the_kernel_computes_what_the_loop_does(dtype: torch.dtype) -> None:
     assert torch.equal(fused, before)
 
 
+@needs_kernel
 @DTYPES
 def test_large_adapters_split_between_threads_compute_what_the_loop_does(
     dtype: torch.dtype,
@@ -121,6 +143,7 @@ def test_large_adapters_split_between_threads_compute_what_the_loop_does(
     assert not torch.allclose(fused, base)
 
 
+@needs_kernel
 def test_a_plan_that_points_outside_the_pool_is_refused_before_any_write() -> None:
     pool = torch.randn(4096)
     segments = pool_segments(pool)
@@ -143,6 +166,7 @@ def test_a_plan_that_points_outside_the_pool_is_refused_before_any_write() -> No
     assert not y.any()
 
 
+@needs_kernel
 def test_the_engine_with_the_kernel_matches_the_loop_token_for_token(
     tiny_model: Path, adapters: dict[str, Path]
 ) -> None:
@@ -161,12 +185,43 @@ def test_the_engine_with_the_kernel_matches_the_loop_token_for_token(
     assert outs["kernel"] == outs["loop"]  # three seats, six adapters: they rotate and move
 
 
+@needs_kernel
 def test_auto_takes_the_kernel_in_float32_and_the_loop_in_bfloat16(tiny_model: Path) -> None:
     assert LLM(tiny_model, cache_memory="4MiB").engine.runner.lora_mode == "kernel"
     bf16 = LLM(tiny_model, cache_memory="4MiB", dtype="bfloat16")
     assert bf16.engine.runner.lora_mode == "loop"
     with pytest.raises(ConfigError, match="float32 on the CPU"):
         LLM(tiny_model, cache_memory="4MiB", dtype="bfloat16", lora_compute="kernel")
+
+
+def test_without_a_compiler_auto_falls_back_to_the_loop_with_the_same_update(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A build from scratch with a compiler that does not exist: a fresh extension folder, and
+    # neither the kernel's nor torch's record of this process's builds.
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    monkeypatch.setattr(kernel, "_state", {})
+    monkeypatch.setattr(cpp_extension, "JIT_EXTENSION_VERSIONER", ExtensionVersioner())
+    assert resolve_mode("auto", torch.float32, torch.device("cpu")) == "loop"
+    assert not kernel.load() and kernel.error(), kernel.error()
+    llm = LLM(tiny_model, cache_memory="4MiB")
+    assert llm.engine.runner.lora_mode == "loop"
+    llm.engine.shutdown()
+
+    torch.manual_seed(0)
+    segments = pool_segments(torch.randn(4096), prefill=True)
+    x, base = torch.randn(32, FAN_IN), torch.randn(32, 32)
+    looped, expected = base.clone(), base.clone()
+    LoraBatch(segments, "loop").apply(x, looped, 0, "qkv")
+    for seg in segments:  # y += (x @ A.T) @ B, sub-module by sub-module
+        weights = seg.layers[0]["qkv"]
+        shrunk = x[seg.start : seg.end] @ weights.a.T
+        for part in weights.parts:
+            update = shrunk[:, part.row0 : part.row1] @ part.bt
+            expected[seg.start : seg.end, part.out0 : part.out1] += update
+    assert torch.allclose(looped, expected, atol=1e-5)
+    assert not torch.equal(looped, base)
 
 
 def test_threads_beside_the_step_loop_run_torch_serially(

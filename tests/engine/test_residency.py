@@ -17,9 +17,10 @@ from transformers import AutoModelForCausalLM
 
 from lora_guard import LLM, SamplingParams
 from lora_guard.demo.testing import AdapterFactory, SoloGreedy
-from lora_guard.engine.llm_engine import LLMEngine, RequestOutput
+from lora_guard.engine.llm_engine import LLMEngine
 from lora_guard.engine.lora import read_adapter
 from lora_guard.engine.lora.compute import LoraBatch, LoraSegment
+from lora_guard.engine.outputs import RequestOutput
 from lora_guard.plugins import hookimpl
 
 NUM_ADAPTERS = 7

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from lora_guard import LLM, SamplingParams
 from lora_guard.demo.testing import AdapterFactory
-from lora_guard.engine.llm_engine import RequestOutput
+from lora_guard.engine.outputs import RequestOutput
 
 
 def test_over_the_budget_requests_queue_in_order_then_get_a_true_retry_after(

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from lora_guard import LLM, SamplingParams
 from lora_guard.demo.testing import AdapterFactory
-from lora_guard.engine.llm_engine import RequestOutput
+from lora_guard.engine.outputs import RequestOutput
 from lora_guard.plugins import Load, hookimpl
 from lora_guard.plugins.decisions import AdapterDecision
 from lora_guard.plugins.state import EngineState, RequestView

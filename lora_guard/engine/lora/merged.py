@@ -31,8 +31,9 @@ class MergedResidency(Residency):
         max_loras: int,
         merge: Callable[[LoRAAdapter | None], None],
         events: Hooks | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(blocks, host, loader, registry, max_loras, events)
+        super().__init__(blocks, host, loader, registry, max_loras, events, clock)
         self.merge = merge
         self.merged: LoRAAdapter | None = None
         self._switched = False  # a switch happened in the step being formed

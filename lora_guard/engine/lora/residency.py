@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -78,8 +78,9 @@ class ResidencyManager(Residency):
         max_loras: int,
         quantum_s: float = 1.0,
         events: Hooks | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(blocks, host, loader, registry, max_loras, events)
+        super().__init__(blocks, host, loader, registry, max_loras, events, clock)
         self.pool, self.quantum_s = pool, quantum_s
         self.seats = [None] * max(self.max_loras, 1)
         self.top = 0  # pages [0, top) hold adapters
@@ -173,7 +174,7 @@ class ResidencyManager(Residency):
         """Whether bringing ``adapter_id`` in now must evict an adapter that requests still need
         (thrash). Taking a free seat and free pages, or those of adapters no request needs, is
         not."""
-        now = time.monotonic()
+        now = self.clock()
         order = eviction_order(self.resident_views(), now, self.quantum_s)
         idle = [e for e in order if not self.demand[e.adapter_id]]
         if all(entry is not None for entry in self.seats) and not idle:
@@ -216,7 +217,7 @@ class ResidencyManager(Residency):
         entry = need.resident
         if entry is not None:
             entry.in_step += 1
-            entry.last_used = time.monotonic()
+            entry.last_used = self.clock()
 
     def resident_views(self) -> list[ResidentView[Resident]]:
         """The residents as the victim choice sees them (``policies.victims``)."""
@@ -282,7 +283,7 @@ class ResidencyManager(Residency):
         entry = self.current(adapter_id)
         if entry is not None:
             return entry
-        now = time.monotonic()
+        now = self.clock()
         adapter = self._host_or_read(adapter_id)
         if adapter is None:
             return None

@@ -88,7 +88,7 @@ class Residency:
         self.registry, self.events, self.clock = registry, events, clock
         self.max_loras = max_loras  # 0: no seat cap
         self.seats: list[Resident | None] = []
-        self.usage = AdapterUsage(max_loras)  # pins, heat and recent loads
+        self.usage = AdapterUsage(max_loras, clock=clock)  # pins, heat and recent loads
         self.stats = AdapterStats()
         self.demand: Counter[str] = Counter()  # requests (running or waiting) per adapter
         # running requests per version, (adapter id, content hash); (None, None): base weights

@@ -1,0 +1,106 @@
+"""What the engine gives back: each request's state after a step, and a record of each step."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import TextIO
+
+from lora_guard.engine.config import ConfigError
+from lora_guard.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's state after a step: everything generated so far."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    stop_sequence: str | None = None
+    retry_after: float | None = None  # set when a policy answered "busy, retry later"
+
+    @classmethod
+    def of(cls, seq: Sequence, text: str, stop_sequence: str | None = None) -> RequestOutput:
+        return cls(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=text,
+            logprobs=list(seq.logprobs),
+            finished=seq.finish_reason is not None,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            num_cached_tokens=seq.num_cached_tokens,
+            error=seq.error,
+            stop_sequence=stop_sequence,
+            retry_after=seq.retry_after,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one step computed and how long it took: a fleet's step log, to which
+    ``lora-guard simulate``'s step cost can be fitted (``simulate_costs.fit_steps``)."""
+
+    step: int  # the engine's step count after it
+    finished_at: float  # wall-clock time.time() at its end
+    seconds: float  # wall time, from scheduling to the observers told of it
+    seqs: int
+    adapters: int  # distinct adapters in the batch
+    adapter_bytes: int  # their weights, which the batch read
+    prefill_tokens: int
+    loads: int  # adapters written into the pool in the step
+
+
+RECENT_STEPS = 4096
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    recent_steps: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+
+
+class StepLog:
+    """One JSON line a step (``--step-log FILE``), line buffered: each line one append, so
+    replicas may share a file. A failed write stops the log, never the engine."""
+
+    def __init__(self, path: str | None, file: TextIO | None) -> None:
+        self.path, self.file = path, file
+
+    @classmethod
+    def open(cls, path: str | None) -> StepLog:
+        try:
+            return cls(path, open(path, "a", buffering=1) if path else None)
+        except OSError as exc:
+            raise ConfigError(f"step_log: cannot write {path}: {exc.strerror}") from None
+
+    @property
+    def writing(self) -> bool:
+        return self.file is not None
+
+    def write(self, record: StepRecord) -> None:
+        if self.file is None:
+            return
+        try:
+            self.file.write(json.dumps(asdict(record)) + "\n")
+        except OSError as exc:  # a full disk
+            log.warning("step log %s stopped: %s", self.path, exc)
+            self.file = None
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
