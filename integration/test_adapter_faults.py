@@ -29,8 +29,10 @@ class Store:
         self.server, self.adapters, self.outside, self.log = server, adapters, outside, log
 
     def generate(self, adapter: str, max_new_tokens: int = 8) -> httpx.Response:
-        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": max_new_tokens,
-                                                 "adapter_id": adapter}}  # fmt: skip
+        body = {
+            "inputs": PROMPT,
+            "parameters": {"max_new_tokens": max_new_tokens, "adapter_id": adapter},
+        }
         return httpx.post(self.server.url + "/generate", json=body, timeout=60)
 
     def failed_loads(self) -> float:
@@ -64,9 +66,18 @@ def store(tiny: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> 
     for name in [*INJURIES, "in-use-deleted", "in-use-swapped", "in-use-truncated", "both"]:
         shutil.copytree(tiny_adapters / "a-01", adapters / name)
     server = start_server(
-        model, adapters, "--cold-loads-per-minute", "1000", "--max-loras", "2",
-        "--max-cpu-loras", "2", "--hot-set-size", "0", log=root / "server.log",
-    )  # fmt: skip
+        model,
+        adapters,
+        "--cold-loads-per-minute",
+        "1000",
+        "--max-loras",
+        "2",
+        "--max-cpu-loras",
+        "2",
+        "--hot-set-size",
+        "0",
+        log=root / "server.log",
+    )
     yield Store(server, adapters, outside, root / "server.log")
     assert server.stop() == 0
 

@@ -36,8 +36,15 @@ def guarded(
     shutil.copytree(adapters, adapter_dir)
     key_file = root / "keys.toml"
     key_file.write_text(KEYS.format(ops_sha=hashlib.sha256(b"ops-secret-key").hexdigest()))
-    server = start_server(model, adapter_dir, "--api-key-file", str(key_file),
-                          "--cold-loads-per-minute", "100", log=root / "log")  # fmt: skip
+    server = start_server(
+        model,
+        adapter_dir,
+        "--api-key-file",
+        str(key_file),
+        "--cold-loads-per-minute",
+        "100",
+        log=root / "log",
+    )
     yield server, adapter_dir
     assert server.stop() == 0
 
@@ -67,9 +74,11 @@ def test_admin_keys_use_every_adapter_and_tenants_their_own(
     server, _ = guarded
     r = generate(server.url, "a-00", "ops-secret-key")
     assert r.status_code == 200  # ops may use everything
-    r = httpx.post(server.url + "/v1/chat/completions", headers=auth("acme-secret-key"),
-                   json={"model": "a-01", "messages": [{"role": "user", "content": "hi"}],
-                         "max_tokens": 2})  # fmt: skip
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        headers=auth("acme-secret-key"),
+        json={"model": "a-01", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
     assert r.status_code == 200
 
 
@@ -121,8 +130,10 @@ def test_load_unload_pin_at_run_time(
 
     r = httpx.post(server.url + "/v1/adapters/late-00/pin", headers=ops)
     assert r.status_code == 200 and "late-00" in r.json()["pinned"]
-    pinned = {row["id"]: row["pinned"] for row in
-              httpx.get(server.url + "/v1/adapters", headers=ops).json()}  # fmt: skip
+    pinned = {
+        row["id"]: row["pinned"]
+        for row in httpx.get(server.url + "/v1/adapters", headers=ops).json()
+    }
     assert pinned["late-00"] is True
     assert httpx.post(server.url + "/v1/adapters/late-00/unpin", headers=ops).status_code == 200
 
@@ -133,8 +144,11 @@ def test_load_unload_pin_at_run_time(
     assert generate(server.url, "late-00", "ops-secret-key").status_code == 422
     # Gone now: the engine, which alone knows the adapters, says so to every admin route.
     gone = {"error": "adapter 'late-00' is not known", "error_type": "not_found"}
-    for path, body in (("/v1/adapters/late-00/pin", None), ("/v1/adapters/late-00/unpin", None),
-                       ("/v1/unload_lora_adapter", {"lora_name": "late-00"})):  # fmt: skip
+    for path, body in (
+        ("/v1/adapters/late-00/pin", None),
+        ("/v1/adapters/late-00/unpin", None),
+        ("/v1/unload_lora_adapter", {"lora_name": "late-00"}),
+    ):
         r = httpx.post(server.url + path, headers=ops, json=body)
         assert (r.status_code, r.json()) == (404, gone), path
 
@@ -164,6 +178,9 @@ def test_symlink_leading_outside_is_refused(
     outside = tmp_path / "outside"
     shutil.copytree(next(p for p in adapter_dir.iterdir() if p.name == "a-00"), outside)
     (adapter_dir / "sneaky").symlink_to(outside)
-    r = httpx.post(server.url + "/v1/load_lora_adapter", headers=auth("ops-secret-key"),
-                   json={"lora_name": "sneaky"})  # fmt: skip
+    r = httpx.post(
+        server.url + "/v1/load_lora_adapter",
+        headers=auth("ops-secret-key"),
+        json={"lora_name": "sneaky"},
+    )
     assert r.status_code == 403, r.text

@@ -16,13 +16,40 @@ def test_a_trace_replayed_on_a_server_completes_and_matches_the_oracle(
     model, adapters = tiny
     report_path = tmp_path / "report.json"
     done = subprocess.run(
-        [sys.executable, "-m", "lora_guard.cli", "bench", "--target", server.url,
-         "--adapters", "3", "--tenants", "2", "--requests", "12", "--rate", "6",
-         "--output-mean", "12", "--system-prompt-words", "12", "--user-words", "6",
-         "--model", str(model), "--adapter-dir", str(adapters),
-         "--json", str(report_path), "--write-trace", str(tmp_path / "trace.jsonl")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "lora_guard.cli",
+            "bench",
+            "--target",
+            server.url,
+            "--adapters",
+            "3",
+            "--tenants",
+            "2",
+            "--requests",
+            "12",
+            "--rate",
+            "6",
+            "--output-mean",
+            "12",
+            "--system-prompt-words",
+            "12",
+            "--user-words",
+            "6",
+            "--model",
+            str(model),
+            "--adapter-dir",
+            str(adapters),
+            "--json",
+            str(report_path),
+            "--write-trace",
+            str(tmp_path / "trace.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(report_path.read_text())
     target = report["schemes"]["target"]
@@ -39,7 +66,9 @@ def test_a_trace_replayed_on_a_server_completes_and_matches_the_oracle(
 def test_an_unreachable_target_is_a_clear_error(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "lora_guard.cli", "bench", "--target", "http://127.0.0.1:9"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert done.stderr.startswith("error:") and "Traceback" not in done.stderr

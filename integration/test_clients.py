@@ -23,8 +23,12 @@ NEW = 8
 @pytest.fixture(scope="module")
 def reference(tiny: tuple[Path, Path]) -> LLM:
     model, adapters = tiny
-    return LLM(model, adapter_dir=adapters, kv_cache_memory="16MiB",
-               settings={"cold_loads_per_minute": 100})  # fmt: skip
+    return LLM(
+        model,
+        adapter_dir=adapters,
+        kv_cache_memory="16MiB",
+        settings={"cold_loads_per_minute": 100},
+    )
 
 
 def expected(llm: LLM, prompt: str | list[int], adapter: str | None) -> list[int]:
@@ -45,8 +49,9 @@ def test_text_generation_client_chat(server: Server, reference: LLM) -> None:
     client = Client(server.url, timeout=60)
     messages = [{"role": "user", "content": "hello"}]
     chat = client.chat(messages=messages, max_tokens=NEW, temperature=0)  # model "tgi": the base
-    prompt = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                     tokenize=False)  # fmt: skip
+    prompt = reference.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
     want = reference.generate(prompt, SamplingParams(max_new_tokens=NEW))[0]
     assert chat.choices[0].message.content == want.text
 
@@ -59,8 +64,9 @@ def test_huggingface_hub_client_with_adapters(
     want = expected(reference, PROMPT, adapter)
     out = client.text_generation(PROMPT, max_new_tokens=NEW, details=True, adapter_id=adapter)
     assert [t.id for t in out.details.tokens] == want
-    stream = client.text_generation(PROMPT, max_new_tokens=NEW, details=True, stream=True,
-                                    adapter_id=adapter)  # fmt: skip
+    stream = client.text_generation(
+        PROMPT, max_new_tokens=NEW, details=True, stream=True, adapter_id=adapter
+    )
     assert [chunk.token.id for chunk in stream] == want
 
 
@@ -74,20 +80,24 @@ def test_openai_chat_and_completions(server: Server, reference: LLM, adapter: st
     client = OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60)
     engine_adapter = None if adapter == "tgi" else adapter
     messages = [{"role": "user", "content": "What is a LoRA adapter?"}]
-    prompt = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                     tokenize=False)  # fmt: skip
+    prompt = reference.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
     want = reference.generate(prompt, SamplingParams(max_new_tokens=NEW), engine_adapter)[0]
-    chat = client.chat.completions.create(model=adapter, messages=messages, max_tokens=NEW,
-                                          temperature=0)  # fmt: skip
+    chat = client.chat.completions.create(
+        model=adapter, messages=messages, max_tokens=NEW, temperature=0
+    )
     assert chat.choices[0].message.content == want.text
     assert chat.usage is not None and chat.usage.completion_tokens == len(want.token_ids)
-    stream = client.chat.completions.create(model=adapter, messages=messages, max_tokens=NEW,
-                                            temperature=0, stream=True)  # fmt: skip
+    stream = client.chat.completions.create(
+        model=adapter, messages=messages, max_tokens=NEW, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want.text
 
     plain = reference.generate(PROMPT, SamplingParams(max_new_tokens=NEW), engine_adapter)[0]
-    completion = client.completions.create(model=adapter, prompt=PROMPT, max_tokens=NEW,
-                                           temperature=0)  # fmt: skip
+    completion = client.completions.create(
+        model=adapter, prompt=PROMPT, max_tokens=NEW, temperature=0
+    )
     assert completion.choices[0].text == plain.text
 
 
@@ -110,8 +120,9 @@ def test_openai_stream_usage_equals_the_plain_answers(
     if route == "chat":
         create: Callable[..., Any] = client.chat.completions.create
         ask["messages"] = messages
-        text = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                       tokenize=False)  # fmt: skip
+        text = reference.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
     else:
         create, ask["prompt"], text = client.completions.create, PROMPT, PROMPT
     plain = create(**ask)
@@ -130,9 +141,14 @@ def test_openai_stream_usage_equals_the_plain_answers(
 def test_continuous_usage_counts_every_chunk_and_options_need_a_stream(server: Server) -> None:
     """A chunk for every generated token, as vLLM streams (its text empty while a character is
     unfinished), so a client's TTFT and inter-token times are the engine's."""
-    body = {"model": "a-00", "prompt": PROMPT, "max_tokens": NEW, "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    body = {
+        "model": "a-00",
+        "prompt": PROMPT,
+        "max_tokens": NEW,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
@@ -142,8 +158,7 @@ def test_continuous_usage_counts_every_chunk_and_options_need_a_stream(server: S
     assert counts[: NEW - 1] == list(range(1, NEW))  # the last token's text may ride on the end
     assert set(counts[NEW - 1 :]) == {NEW} and len(counts) in (NEW + 1, NEW + 2)
     assert events[-1]["choices"] == [] and events[-2]["choices"][0]["finish_reason"] == "length"
-    refused = httpx.post(server.url + "/v1/completions", timeout=60,
-                         json={**body, "stream": False})  # fmt: skip
+    refused = httpx.post(server.url + "/v1/completions", timeout=60, json={**body, "stream": False})
     assert refused.status_code == 422
     assert "stream_options" in refused.json()["error"]
 
@@ -156,15 +171,18 @@ def test_vllm_tokenize_and_detokenize_beside_tgis(server: Server, reference: LLM
     assert prompt["tokens"] == reference.engine.encode(PROMPT)
     assert prompt["count"] == len(prompt["tokens"]) and prompt["max_model_len"] > 0
     messages = [{"role": "user", "content": "What is a LoRA adapter?"}]
-    chat = httpx.post(url + "/tokenize", timeout=60,
-                      json={"model": "a-01", "messages": messages, "return_token_strs": True},
-                      ).json()  # fmt: skip
+    chat = httpx.post(
+        url + "/tokenize",
+        timeout=60,
+        json={"model": "a-01", "messages": messages, "return_token_strs": True},
+    ).json()
     client = OpenAI(base_url=url + "/v1", api_key="unused", timeout=60)
     answer = client.chat.completions.create(model="a-01", messages=messages, max_tokens=2)
     assert answer.usage is not None and chat["count"] == answer.usage.prompt_tokens
     assert len(chat["token_strs"]) == chat["count"]
-    plain = httpx.post(url + "/tokenize", json={"prompt": PROMPT, "add_special_tokens": False},
-                       timeout=60).json()  # fmt: skip
+    plain = httpx.post(
+        url + "/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}, timeout=60
+    ).json()
     back = httpx.post(url + "/detokenize", json={"tokens": plain["tokens"]}, timeout=60)
     assert back.status_code == 200 and back.json() == {"prompt": PROMPT}
     tgi = httpx.post(url + "/tokenize", json={"inputs": PROMPT}, timeout=60).json()
@@ -188,8 +206,9 @@ def test_vllm_sampling_extras_on_the_openai_routes(server: Server, reference: LL
     assert held.usage is not None and held.usage.completion_tokens >= 3  # no end before 3
     sampled = {**ask, "temperature": 0.8, "seed": 7}
     extras = {"top_k": 5, "repetition_penalty": 1.2, "unknown_field": 1}
-    twice = [client.completions.create(**sampled, extra_body=extras).choices[0].text
-             for _ in range(2)]  # fmt: skip
+    twice = [
+        client.completions.create(**sampled, extra_body=extras).choices[0].text for _ in range(2)
+    ]
     assert twice[0] == twice[1]  # seeded: the same text
     for bad in ({"repetition_penalty": 0}, {"top_k": -2}, {"min_tokens": NEW + 1}):
         reply = httpx.post(server.url + "/v1/completions", json={**ask, **bad}, timeout=60)

@@ -42,8 +42,9 @@ def test_sixteen_cold_adapters_at_once_all_answer(
         assert [r.status_code for r in answers] == [200] * len(names), [
             r.text for r in answers if r.status_code != 200
         ]
-        expected = engine_greedy(model, {n: sixteen / n for n in names},
-                                 [(PROMPT, n) for n in names], NEW_TOKENS)  # fmt: skip
+        expected = engine_greedy(
+            model, {n: sixteen / n for n in names}, [(PROMPT, n) for n in names], NEW_TOKENS
+        )
         got = [[t["id"] for t in r.json()["details"]["tokens"]] for r in answers]
         assert got == expected
         assert metric(server.url, "lora_guard_cold_loads_total", outcome="rejected") == 0

@@ -64,10 +64,17 @@ def start_faulty(
     model, adapters = tiny
     hold = root / "hold"
     server = start_server(
-        model, adapters, "--plugin", "faults:injector", "--cold-loads-per-minute", "1000",
-        "--max-concurrent-requests", str(MAX_CONCURRENT), log=root / "server.log",
+        model,
+        adapters,
+        "--plugin",
+        "faults:injector",
+        "--cold-loads-per-minute",
+        "1000",
+        "--max-concurrent-requests",
+        str(MAX_CONCURRENT),
+        log=root / "server.log",
         env=fault_env(hold),
-    )  # fmt: skip
+    )
     return server, hold
 
 

@@ -58,11 +58,13 @@ def test_the_base_model_is_named_never_a_path(server: Server) -> None:
     [
         ("/generate", '{"inputs": "hello", "parameters": {"temperature": NaN}}'),
         ("/generate", '{"inputs": "hello", "parameters": {"top_p": Infinity}}'),
-        ("/v1/chat/completions",
-         '{"model": "tgi", "messages": [{"role": "user", "content": "hi"}], "top_p": -Infinity}'),
+        (
+            "/v1/chat/completions",
+            '{"model": "tgi", "messages": [{"role": "user", "content": "hi"}], "top_p": -Infinity}',
+        ),
         ("/v1/completions", '{"model": "tgi", "prompt": "hi", "temperature": NaN}'),
     ],
-)  # fmt: skip
+)
 def test_nan_and_infinity_are_not_numbers_a_request_may_carry(
     server: Server, route: str, body: str
 ) -> None:

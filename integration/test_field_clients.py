@@ -42,9 +42,14 @@ def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serv
     demo = prepare_demo(log=lambda _msg: None)
     log = tmp_path_factory.mktemp("field-clients") / "server.log"
     server = start_server(
-        demo.model_dir, demo.adapter_dir, "--cache-memory", "1GiB", "--block-size", "16",
+        demo.model_dir,
+        demo.adapter_dir,
+        "--cache-memory",
+        "1GiB",
+        "--block-size",
+        "16",
         log=log,
-    )  # fmt: skip
+    )
     yield server, demo.model_dir
     assert server.stop() == 0, log.read_text()
 
@@ -79,9 +84,11 @@ class ServerCounts:
 
 def report(client: str, ttft_ms: float, served: ServerCounts) -> None:
     """One line for the log (``make test-clients`` shows it): the client's and the server's TTFT."""
-    print(f"{client}: {served.requests:.0f} requests, {served.generated:.0f} tokens generated; "
-          f"mean TTFT {ttft_ms:.1f} ms, the server's {served.mean_ttft_ms:.1f} ms "
-          f"({ttft_ms / served.mean_ttft_ms:.3f}x)")  # fmt: skip
+    print(
+        f"{client}: {served.requests:.0f} requests, {served.generated:.0f} tokens generated; "
+        f"mean TTFT {ttft_ms:.1f} ms, the server's {served.mean_ttft_ms:.1f} ms "
+        f"({ttft_ms / served.mean_ttft_ms:.3f}x)"
+    )
 
 
 def within(client_ms: float, server_ms: float) -> bool:
@@ -93,14 +100,41 @@ def test_vllm_bench_serve(demo_server: tuple[ServerProcess, Path], tmp_path: Pat
     server, model_dir = demo_server
     before = ServerCounts.read(server.url)
     command = [
-        str(python), "-c", VLLM_BENCH_SERVE, "--backend", "openai", "--base-url", server.url,
-        "--model", "SmolLM2-135M-Instruct", "--tokenizer", str(model_dir),
-        "--dataset-name", "random", "--random-input-len", str(INPUT_LEN),
-        "--random-output-len", str(OUTPUT_LEN), "--num-prompts", str(PROMPTS),
-        "--request-rate", str(RATE), "--ignore-eos", "--temperature", "0", "--seed", "0",
-        "--lora-modules", *ADAPTERS, "--save-result", "--result-dir", str(tmp_path),
-        "--result-filename", "result.json", "--disable-tqdm",
-    ]  # fmt: skip
+        str(python),
+        "-c",
+        VLLM_BENCH_SERVE,
+        "--backend",
+        "openai",
+        "--base-url",
+        server.url,
+        "--model",
+        "SmolLM2-135M-Instruct",
+        "--tokenizer",
+        str(model_dir),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(INPUT_LEN),
+        "--random-output-len",
+        str(OUTPUT_LEN),
+        "--num-prompts",
+        str(PROMPTS),
+        "--request-rate",
+        str(RATE),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--seed",
+        "0",
+        "--lora-modules",
+        *ADAPTERS,
+        "--save-result",
+        "--result-dir",
+        str(tmp_path),
+        "--result-filename",
+        "result.json",
+        "--disable-tqdm",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=OFFLINE)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
@@ -122,14 +156,24 @@ def test_guidellm(demo_server: tuple[ServerProcess, Path], tmp_path: Path) -> No
     before = ServerCounts.read(server.url)
     out = tmp_path / "guidellm.json"
     command = [
-        str(guidellm), "run", "--backend",
+        str(guidellm),
+        "run",
+        "--backend",
         f"kind=openai_http,target={server.url},model={ADAPTERS[-1]}",
-        "--profile", f"kind=poisson,rate={RATE}",
-        "--constraint", f"kind=max_requests,count={PROMPTS}",
-        "--data", f"kind=synthetic_text,prompt_tokens={INPUT_LEN},output_tokens={OUTPUT_LEN}",
-        "--tokenizer", f"kind=hf_auto,model={model_dir}", "--seed", "kind=static,value=0",
-        "--output", f"kind=json,path={out}", "--disable-progress",
-    ]  # fmt: skip
+        "--profile",
+        f"kind=poisson,rate={RATE}",
+        "--constraint",
+        f"kind=max_requests,count={PROMPTS}",
+        "--data",
+        f"kind=synthetic_text,prompt_tokens={INPUT_LEN},output_tokens={OUTPUT_LEN}",
+        "--tokenizer",
+        f"kind=hf_auto,model={model_dir}",
+        "--seed",
+        "kind=static,value=0",
+        "--output",
+        f"kind=json,path={out}",
+        "--disable-progress",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=OFFLINE)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     metrics = json.loads(out.read_text())["benchmarks"][0]["metrics"]

@@ -30,9 +30,20 @@ def gateway_server(
     model, adapters = tiny
     root = tmp_path_factory.mktemp("gateway")
     hold = root / "hold"
-    server = start_server(model, adapters, "--max-loras", "2", "--kv-namespace-scope", "tenant",
-                          "--cold-loads-per-minute", "1000", "--plugin", "faults:injector",
-                          log=root / "server.log", env=fault_env(hold))  # fmt: skip
+    server = start_server(
+        model,
+        adapters,
+        "--max-loras",
+        "2",
+        "--kv-namespace-scope",
+        "tenant",
+        "--cold-loads-per-minute",
+        "1000",
+        "--plugin",
+        "faults:injector",
+        log=root / "server.log",
+        env=fault_env(hold),
+    )
     yield server, hold
     assert server.stop() == 0, (root / "server.log").read_text()
 
@@ -51,8 +62,13 @@ def picker_view(info: dict[str, str]) -> tuple[set[str], set[str], bool]:
     return active, waiting, len(active) + len(waiting) < int(info["max_lora"])
 
 
-def generate(url: str, adapter: str | None, headers: dict[str, str] | None = None,
-             prompt: str = "hello", tokens: int = 2) -> httpx.Response:  # fmt: skip
+def generate(
+    url: str,
+    adapter: str | None,
+    headers: dict[str, str] | None = None,
+    prompt: str = "hello",
+    tokens: int = 2,
+) -> httpx.Response:
     body = {"inputs": prompt, "parameters": {"max_new_tokens": tokens, "adapter_id": adapter}}
     return httpx.post(url + "/generate", json=body, headers=headers or {}, timeout=60)
 
@@ -84,8 +100,11 @@ def test_a_replica_whose_adapters_queued_requests_need_looks_full(
     with ThreadPoolExecutor(2) as clients:
         held = [clients.submit(generate, url, a, {"X-Tenant-Id": "hold"}) for a in ("a-00", "a-01")]
         count = Path(f"{hold}.count")
-        eventually(lambda: count.exists() and count.read_text() == "2", timeout_s=30,
-                   what="2 requests held")  # fmt: skip
+        eventually(
+            lambda: count.exists() and count.read_text() == "2",
+            timeout_s=30,
+            what="2 requests held",
+        )
         assert generate(url, None).status_code == 200  # a step runs: the labels are fresh
         info = lora_info(url)
         active, waiting, room = picker_view(info)

@@ -33,6 +33,7 @@ admin = true
 ALPHA = {"Authorization": "Bearer alpha-secret-key"}
 BETA = {"Authorization": "Bearer beta-secret-key"}
 OPS = {"Authorization": "Bearer ops-secret-key"}
+# one row a line, as a table reads (fmt: skip)
 HOSTILE_IDS = [
     "..", ".", "../a-00", "a-00/../a-01", "../outside/a-02", "/etc/passwd", "~", "~root/a",
     "a-00/", "a\\..\\b", "C:\\a", "%2e%2e%2fa-00", "a-00\x00", "a-00\n", " a-00", "a b", "a:b",
@@ -55,9 +56,16 @@ def tenants(
     keys = root / "keys.toml"
     keys.write_text(KEYS.format(ops_sha=hashlib.sha256(b"ops-secret-key").hexdigest()))
     server = start_server(
-        model, adapters, "--kv-namespace-scope", "tenant", "--api-key-file", str(keys),
-        "--cold-loads-per-minute", "1000", log=root / "server.log",
-    )  # fmt: skip
+        model,
+        adapters,
+        "--kv-namespace-scope",
+        "tenant",
+        "--api-key-file",
+        str(keys),
+        "--cold-loads-per-minute",
+        "1000",
+        log=root / "server.log",
+    )
     yield server, adapters
     assert server.stop() == 0
 
@@ -81,22 +89,41 @@ def test_hostile_adapter_ids_get_a_clear_4xx_and_read_nothing(
     for adapter_id in HOSTILE_IDS:
         answers = [
             generate(server.url, "hello", adapter_id, OPS),
-            httpx.post(server.url + "/v1/completions", headers=OPS, timeout=60,
-                       json={"model": adapter_id, "prompt": "hello", "max_tokens": 2}),
-            httpx.post(server.url + "/v1/chat/completions", headers=OPS, timeout=60,
-                       json={"model": adapter_id, "max_tokens": 2,
-                             "messages": [{"role": "user", "content": "hi"}]}),
-            httpx.post(server.url + "/v1/load_lora_adapter", headers=OPS, timeout=60,
-                       json={"lora_name": adapter_id}),
-        ]  # fmt: skip
+            httpx.post(
+                server.url + "/v1/completions",
+                headers=OPS,
+                timeout=60,
+                json={"model": adapter_id, "prompt": "hello", "max_tokens": 2},
+            ),
+            httpx.post(
+                server.url + "/v1/chat/completions",
+                headers=OPS,
+                timeout=60,
+                json={
+                    "model": adapter_id,
+                    "max_tokens": 2,
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+            ),
+            httpx.post(
+                server.url + "/v1/load_lora_adapter",
+                headers=OPS,
+                timeout=60,
+                json={"lora_name": adapter_id},
+            ),
+        ]
         for r in answers:
             assert r.status_code in (403, 404, 422), (adapter_id, r.status_code, r.text)
             message = r.json()["error"]
             assert any(
                 reason in message
-                for reason in ("invalid adapter id", "is not known", "inside the configured",
-                               "no adapter folder")
-            ), (adapter_id, message)  # fmt: skip
+                for reason in (
+                    "invalid adapter id",
+                    "is not known",
+                    "inside the configured",
+                    "no adapter folder",
+                )
+            ), (adapter_id, message)
     assert disk_reads(server.url) == reads  # no adapter file was read, inside or outside
     listed = {row["id"] for row in httpx.get(server.url + "/v1/adapters", headers=OPS).json()}
     assert listed == {"a-00", "a-01", "a-02"}  # the link found at start-up is not served
@@ -142,8 +169,12 @@ def test_a_tenant_uses_only_the_adapters_of_its_key(tenants: tuple[ServerProcess
     for adapter in ("a-01", "a-02"):
         r = generate(server.url, "hello", adapter, ALPHA)
         assert r.status_code == 403 and r.json()["error_type"] == "forbidden", r.text
-    r = httpx.post(server.url + "/v1/completions", headers=ALPHA, timeout=60,
-                   json={"model": "a-01", "prompt": "hello", "max_tokens": 2})  # fmt: skip
+    r = httpx.post(
+        server.url + "/v1/completions",
+        headers=ALPHA,
+        timeout=60,
+        json={"model": "a-01", "prompt": "hello", "max_tokens": 2},
+    )
     assert r.status_code == 403, r.text
     assert generate(server.url, "hello", "a-01", BETA).status_code == 200
     for route in ("/v1/adapters", "/v1/adapters/a-00/pin"):

@@ -31,9 +31,18 @@ def small_pool(
     model, adapters = tiny
     log = tmp_path_factory.mktemp("small-pool") / "server.log"
     server = start_server(
-        model, adapters, "--kv-cache-memory", "128KiB", "--max-total-tokens", "1000",
-        "--cold-loads-per-minute", "1000", "--policies", "cold-budget,kv-namespace", log=log,
-    )  # fmt: skip
+        model,
+        adapters,
+        "--kv-cache-memory",
+        "128KiB",
+        "--max-total-tokens",
+        "1000",
+        "--cold-loads-per-minute",
+        "1000",
+        "--policies",
+        "cold-budget,kv-namespace",
+        log=log,
+    )
     yield server
     assert server.stop() == 0
 
@@ -78,8 +87,10 @@ def test_requests_outgrowing_the_pool_are_preempted_and_resume_with_the_same_tok
 
     def send(i: int) -> None:
         prompt, adapter = REQUESTS[i]
-        body = {"inputs": prompt,
-                "parameters": {"max_new_tokens": NEW_TOKENS, "adapter_id": adapter}}  # fmt: skip
+        body = {
+            "inputs": prompt,
+            "parameters": {"max_new_tokens": NEW_TOKENS, "adapter_id": adapter},
+        }
         answers[i] = httpx.post(small_pool.url + "/generate", json=body, timeout=120)
 
     threads = [threading.Thread(target=send, args=(i,)) for i in range(len(REQUESTS))]
@@ -92,7 +103,9 @@ def test_requests_outgrowing_the_pool_are_preempted_and_resume_with_the_same_tok
         assert r.status_code == 200, r.text
         assert [t["id"] for t in r.json()["details"]["tokens"]] == alone[i], REQUESTS[i]
     preemptions = metric(small_pool.url, "vllm:num_preemptions_total") - preempted
-    print(f"\nkv pressure: {len(REQUESTS)} requests, {sum(map(len, alone))} tokens through a "
-          f"{POOL_TOKENS}-token pool, {preemptions:.0f} preemptions, tokens as alone")  # fmt: skip
+    print(
+        f"\nkv pressure: {len(REQUESTS)} requests, {sum(map(len, alone))} tokens through a "
+        f"{POOL_TOKENS}-token pool, {preemptions:.0f} preemptions, tokens as alone"
+    )
     assert preemptions > 0
     assert metric(small_pool.url, "vllm:kv_cache_usage_perc") == 0

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from lora_guard.demo.testing import ServerProcess as Server
 from lora_guard.demo.testing import eventually, start_server
 
+# one row a line, as a table reads (fmt: skip)
 DESIGN_METRICS = [
     "lora_guard_hot_adapter_hit_rate", "lora_guard_adapter_lookups", "lora_guard_adapter_swap_ms",
     "lora_guard_cold_load_fail_ratio", "lora_guard_cold_loads", "lora_guard_kv_namespace_conflict",

@@ -59,15 +59,24 @@ def fleet(
 ) -> Iterator[tuple[ServerProcess, dict[tuple[str, str | None], list[int]]]]:
     model, _ = tiny
     root = tmp_path_factory.mktemp("load")
-    folders = make_adapters(model, root / "adapters", n=NUM_ADAPTERS, ranks=(4, 8),
-                            strength=0.5, prefix="L")  # fmt: skip
+    folders = make_adapters(
+        model, root / "adapters", n=NUM_ADAPTERS, ranks=(4, 8), strength=0.5, prefix="L"
+    )
     keys = [(p, a) for p in PROMPTS for a in (None, *(f.name for f in folders))]
     tokens = engine_greedy(model, {f.name: f for f in folders}, keys, NEW_TOKENS)
     server = start_server(
-        model, root / "adapters", "--max-loras", str(SLOTS), "--max-cpu-loras", "6",
-        "--cold-loads-per-minute", "30", "--max-concurrent-requests", str(MAX_CONCURRENT),
+        model,
+        root / "adapters",
+        "--max-loras",
+        str(SLOTS),
+        "--max-cpu-loras",
+        "6",
+        "--cold-loads-per-minute",
+        "30",
+        "--max-concurrent-requests",
+        str(MAX_CONCURRENT),
         log=root / "server.log",
-    )  # fmt: skip
+    )
     yield server, dict(zip(keys, tokens, strict=True))
     assert server.stop() == 0
 
@@ -84,8 +93,13 @@ def stream_tokens(r: httpx.Response) -> tuple[list[int], str | None]:
     return ids, None
 
 
-def client(url: str, seed: int, expected: dict[tuple[str, str | None], list[int]],
-           tally: Tally, stop_at: float) -> None:  # fmt: skip
+def client(
+    url: str,
+    seed: int,
+    expected: dict[tuple[str, str | None], list[int]],
+    tally: Tally,
+    stop_at: float,
+) -> None:
     rng = random.Random(seed)
     adapters = [None, *sorted({a for _, a in expected if a is not None})]
     weights = [1 / (rank + 1) for rank in range(len(adapters))]  # Zipf-like popularity
@@ -131,9 +145,14 @@ def settle(url: str, timeout: float = 15) -> dict[str, list[tuple[dict[str, str]
 
     def idle() -> dict[str, list[tuple[dict[str, str], float]]]:
         found = metric_samples(url)
-        values = [found[name][0][1] for name in
-                  ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                   "vllm:kv_cache_usage_perc")]  # fmt: skip
+        values = [
+            found[name][0][1]
+            for name in (
+                "vllm:num_requests_running",
+                "vllm:num_requests_waiting",
+                "vllm:kv_cache_usage_perc",
+            )
+        ]
         assert values == [0, 0, 0], values
         return found
 
@@ -162,11 +181,13 @@ def test_load_then_soak_every_request_accounted_for(
     latencies = sorted(tally.latencies)
     p50 = statistics.median(latencies)
     p95 = latencies[int(0.95 * (len(latencies) - 1))]
-    print(f"\nload: {CLIENTS} clients, {NUM_ADAPTERS} adapters on {SLOTS} slots, "
-          f"{DURATION_S:.0f} s: {total} requests {dict(tally.statuses)}, "
-          f"{tally.engine_rejections} of the 429s from the cold-load budget; "
-          f"latency of the 200s p50 {p50 * 1000:.0f} ms, p95 {p95 * 1000:.0f} ms; "
-          f"problems {len(tally.problems)}")  # fmt: skip
+    print(
+        f"\nload: {CLIENTS} clients, {NUM_ADAPTERS} adapters on {SLOTS} slots, "
+        f"{DURATION_S:.0f} s: {total} requests {dict(tally.statuses)}, "
+        f"{tally.engine_rejections} of the 429s from the cold-load budget; "
+        f"latency of the 200s p50 {p50 * 1000:.0f} ms, p95 {p95 * 1000:.0f} ms; "
+        f"problems {len(tally.problems)}"
+    )
     assert not tally.problems, "\n".join(tally.problems[:20])
     assert tally.statuses["200"] >= 100 and tally.statuses["429"] >= 1, tally.statuses
 

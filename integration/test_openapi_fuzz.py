@@ -27,15 +27,29 @@ Schema = dict[str, Any]
 
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
-                                                                max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
     max_leaves=6,
-)  # fmt: skip
+)
 STRINGS = st.one_of(
     st.text(max_size=20),
-    st.sampled_from(["", " ", "<|im_end|>", "<|im_start|>user", "\x00", "\ud800", "é" * 40,
-                     "hello " * 400, "a-00", "../a-00", "/etc/passwd"]),
-)  # fmt: skip
+    st.sampled_from(
+        [
+            "",
+            " ",
+            "<|im_end|>",
+            "<|im_start|>user",
+            "\x00",
+            "\ud800",
+            "é" * 40,
+            "hello " * 400,
+            "a-00",
+            "../a-00",
+            "/etc/passwd",
+        ]
+    ),
+)
 INTEGERS = st.one_of(
     st.integers(-5, 40), st.sampled_from([2**31, 2**63, 2**64, -(2**63) - 1, 10**30])
 )
@@ -85,12 +99,20 @@ def from_schema(doc: Schema, schema: Schema, name: str = "") -> st.SearchStrateg
             optional={n: f for n, f in fields.items() if n not in required},
         )
     if kind == "object":
-        return st.dictionaries(st.sampled_from(["type", "text"]) | st.text(max_size=5),
-                               STRINGS | JSON_VALUES, max_size=3)  # fmt: skip
+        return st.dictionaries(
+            st.sampled_from(["type", "text"]) | st.text(max_size=5),
+            STRINGS | JSON_VALUES,
+            max_size=3,
+        )
     if kind == "array":
         return st.lists(from_schema(doc, schema.get("items", {})), max_size=3)
-    simple = {"string": STRINGS, "integer": INTEGERS, "number": NUMBERS,
-              "boolean": st.booleans(), "null": st.none()}  # fmt: skip
+    simple = {
+        "string": STRINGS,
+        "integer": INTEGERS,
+        "number": NUMBERS,
+        "boolean": st.booleans(),
+        "null": st.none(),
+    }
     return simple.get(kind, JSON_VALUES) if isinstance(kind, str) else JSON_VALUES
 
 
@@ -142,8 +164,9 @@ def target(
     model, adapters = tiny
     log = tmp_path_factory.mktemp("openapi-fuzz") / "server.log"
     # Short generations (20 tokens at most, prompt included) keep a few hundred bodies quick.
-    server = start_server(model, adapters, "--max-total-tokens", "20",
-                          "--cold-loads-per-minute", "1000", log=log)  # fmt: skip
+    server = start_server(
+        model, adapters, "--max-total-tokens", "20", "--cold-loads-per-minute", "1000", log=log
+    )
     doc = httpx.get(server.url + "/openapi.json", timeout=10).json()
     yield server, doc
     assert server.stop() == 0
@@ -159,9 +182,14 @@ def test_no_body_breaks_a_generation_route(
 
     with httpx.Client(base_url=server.url, timeout=60) as http:
 
-        @settings(max_examples=BODIES_PER_ROUTE, derandomize=True, database=None, deadline=None,
-                  phases=[Phase.explicit, Phase.generate],
-                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        @settings(
+            max_examples=BODIES_PER_ROUTE,
+            derandomize=True,
+            database=None,
+            deadline=None,
+            phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
         @given(body=bodies(doc, route))
         def send(body: Any) -> None:
             content = json.dumps(body, allow_nan=True)

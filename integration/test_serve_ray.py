@@ -38,9 +38,17 @@ from lora_guard.workload.bounds import offline_best_loads  # noqa: E402
 
 REPLICAS, SEATS, CLIENTS = 2, 3, 4
 SPEC = WorkloadSpec(
-    adapters=6, tenants=2, requests=48, zipf=1.0, seed=3, system_prompt_words=12,
-    user_words_mean=6, output_mean=10, output_min=4, output_max=20,
-)  # fmt: skip
+    adapters=6,
+    tenants=2,
+    requests=48,
+    zipf=1.0,
+    seed=3,
+    system_prompt_words=12,
+    user_words_mean=6,
+    output_mean=10,
+    output_min=4,
+    output_max=20,
+)
 ROUTER_BOUND = 1.1  # our loads over the offline best
 # More adapters than pooled seats: the replicas must evict, and the pooled optimum (one cache of
 # six seats with all of the future in view) is out of reach of replicas that each evict for
@@ -76,16 +84,41 @@ def fleet_files(
 
 
 def deploy(
-    files: tuple[Path, Path], port: int, router: str, route_prefix: str = "/",
-    replicas: int = REPLICAS, *more: str,
-) -> Fleet:  # fmt: skip
+    files: tuple[Path, Path],
+    port: int,
+    router: str,
+    route_prefix: str = "/",
+    replicas: int = REPLICAS,
+    *more: str,
+) -> Fleet:
     model, adapters = files
-    argv = ["--model", str(model), "--adapter-dir", str(adapters), "--host", "127.0.0.1",
-            "--port", str(port), "--kv-cache-memory", "16MiB", "--block-size", "4",
-            "--max-loras", str(SEATS), *more]  # fmt: skip
+    argv = [
+        "--model",
+        str(model),
+        "--adapter-dir",
+        str(adapters),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--kv-cache-memory",
+        "16MiB",
+        "--block-size",
+        "4",
+        "--max-loras",
+        str(SEATS),
+        *more,
+    ]
     name = f"lora-guard{route_prefix.replace('/', '-')}".rstrip("-")
-    url = serve_ray.run(argv, replicas, router=router, app_name=name, replica_cpus=0.5,
-                        stats_period_s=0.5, route_prefix=route_prefix)  # fmt: skip
+    url = serve_ray.run(
+        argv,
+        replicas,
+        router=router,
+        app_name=name,
+        replica_cpus=0.5,
+        stats_period_s=0.5,
+        route_prefix=route_prefix,
+    )
     return Fleet(url, name, model, adapters)
 
 
@@ -105,8 +138,10 @@ def oracle_of(files: tuple[Path, Path], trace: list[TraceRequest]) -> dict[str, 
     """The oracle's tokens per request id, batched, and alone under ``solo:ID``."""
     model, adapters = files
     options = EngineOptions(model=str(model), adapter_dir=str(adapters), kv_cache_memory="16MiB")
-    wanted = [OracleRequest(r.id, r.prompt, r.adapter_id, r.max_new_tokens, ignore_eos=False)
-              for r in trace]  # fmt: skip
+    wanted = [
+        OracleRequest(r.id, r.prompt, r.adapter_id, r.max_new_tokens, ignore_eos=False)
+        for r in trace
+    ]
     table = oracle_tokens(wanted, options)
     return {**table, **{f"solo:{k}": v for k, v in oracle_tokens(wanted, options, True).items()}}
 
@@ -127,8 +162,9 @@ def stream(client: httpx.Client, request: TraceRequest) -> Answer:
     parameters = {"max_new_tokens": request.max_new_tokens, "adapter_id": request.adapter_id}
     body = {"inputs": request.prompt, "parameters": parameters}
     started = time.perf_counter()
-    with client.stream("POST", "/generate_stream", json=body,
-                       headers={"X-Tenant-Id": request.tenant}) as reply:  # fmt: skip
+    with client.stream(
+        "POST", "/generate_stream", json=body, headers={"X-Tenant-Id": request.tenant}
+    ) as reply:
         answer.status = reply.status_code
         if reply.status_code != 200:
             answer.error = reply.read().decode()
@@ -158,9 +194,13 @@ def replay(url: str, trace: list[TraceRequest]) -> dict[str, Answer]:
 
 def wrong(answers: dict[str, Answer], oracle: dict[str, list[int]]) -> list[str]:
     """Requests without the oracle's tokens (batched, else alone)."""
-    return [key for key, a in answers.items()
-            if a.status != 200 or a.error is not None
-            or a.tokens not in (oracle[key], oracle[f"solo:{key}"])]  # fmt: skip
+    return [
+        key
+        for key, a in answers.items()
+        if a.status != 200
+        or a.error is not None
+        or a.tokens not in (oracle[key], oracle[f"solo:{key}"])
+    ]
 
 
 def fresh_run(
@@ -176,9 +216,14 @@ def fresh_run(
 
 
 def figures(
-    trace: list[TraceRequest], ours: int, ray_default: int, best: int,
-    answers: dict[str, Answer], default_answers: dict[str, Answer], started: float,
-) -> str:  # fmt: skip
+    trace: list[TraceRequest],
+    ours: int,
+    ray_default: int,
+    best: int,
+    answers: dict[str, Answer],
+    default_answers: dict[str, Answer],
+    started: float,
+) -> str:
     def p95(of: dict[str, Answer]) -> float:
         return percentile([a.seconds * 1000 for a in of.values()], 95) or 0.0
 
@@ -217,22 +262,41 @@ def test_a_skewed_trace_from_four_clients_is_correct_and_loads_near_the_offline_
 
 def test_openai_routes_and_bad_requests_through_the_ingress(fleet: Fleet) -> None:
     prompt = "The capital of France is"
-    tgi = httpx.post(fleet.url + "/generate", timeout=60, json={
-        "inputs": prompt, "parameters": {"max_new_tokens": 6, "adapter_id": "f-01"}})  # fmt: skip
+    tgi = httpx.post(
+        fleet.url + "/generate",
+        timeout=60,
+        json={"inputs": prompt, "parameters": {"max_new_tokens": 6, "adapter_id": "f-01"}},
+    )
     assert tgi.status_code == 200, tgi.text
-    completion = httpx.post(fleet.url + "/v1/completions", timeout=60, json={
-        "model": "f-01", "prompt": prompt, "max_tokens": 6})  # fmt: skip
+    completion = httpx.post(
+        fleet.url + "/v1/completions",
+        timeout=60,
+        json={"model": "f-01", "prompt": prompt, "max_tokens": 6},
+    )
     assert completion.status_code == 200, completion.text
     assert completion.json()["choices"][0]["text"] == tgi.json()["generated_text"]
-    chat = httpx.post(fleet.url + "/v1/chat/completions", json={
-        "model": "f-02", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
-    }, timeout=60)  # fmt: skip
+    chat = httpx.post(
+        fleet.url + "/v1/chat/completions",
+        json={
+            "model": "f-02",
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 4,
+        },
+        timeout=60,
+    )
     assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
-    unknown = httpx.post(fleet.url + "/generate", json={"inputs": "x",
-                         "parameters": {"adapter_id": "no-such-adapter"}}, timeout=60)  # fmt: skip
+    unknown = httpx.post(
+        fleet.url + "/generate",
+        json={"inputs": "x", "parameters": {"adapter_id": "no-such-adapter"}},
+        timeout=60,
+    )
     assert unknown.status_code == 422 and "no-such-adapter" in unknown.json()["error"]
-    broken = httpx.post(fleet.url + "/generate", content=b"{not json", timeout=60,
-                        headers={"content-type": "application/json"})  # fmt: skip
+    broken = httpx.post(
+        fleet.url + "/generate",
+        content=b"{not json",
+        timeout=60,
+        headers={"content-type": "application/json"},
+    )
     assert broken.status_code == 422
     admin = httpx.post(fleet.url + "/v1/adapters/f-01/pin", timeout=60)
     assert admin.status_code == 501 and "one replica" in admin.json()["error"]
@@ -248,8 +312,11 @@ def test_the_fleets_metrics_agree_with_the_replicas_own(fleet: Fleet) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+        }
 
     for adapter in ("f-03", "f-03", "f-03", "f-04"):  # hot lookups on one replica at least
         body = {"inputs": "Hello", "parameters": {"max_new_tokens": 2, "adapter_id": adapter}}
@@ -261,9 +328,12 @@ def test_the_fleets_metrics_agree_with_the_replicas_own(fleet: Fleet) -> None:
 
     def summed(name: str, **only: set[str]) -> float:
         """The replicas' samples of ``name`` whose labels take the values ``only`` names."""
-        return sum(v for one in theirs for (n, labels), v in one.items()
-                   if n == name and all(dict(labels).get(k) in vs for k, vs in only.items())
-                   )  # fmt: skip
+        return sum(
+            v
+            for one in theirs
+            for (n, labels), v in one.items()
+            if n == name and all(dict(labels).get(k) in vs for k, vs in only.items())
+        )
 
     lookups = summed("lora_guard_adapter_lookups_total")
     hot = summed("lora_guard_adapter_lookups_total", result={"hot"})
@@ -275,11 +345,15 @@ def test_the_fleets_metrics_agree_with_the_replicas_own(fleet: Fleet) -> None:
     fail_ratio = ours["lora_guard_cold_load_fail_ratio", ()]
     assert fail_ratio == (failed / cold if cold else 0.0)
     assert 0 <= hit_rate <= 1 and 0 <= fail_ratio <= 1
-    labelled = {dict(labels)["replica"]: v for (n, labels), v in ours.items()
-                if n == "vllm:num_requests_running"}  # fmt: skip
+    labelled = {
+        dict(labels)["replica"]: v
+        for (n, labels), v in ours.items()
+        if n == "vllm:num_requests_running"
+    }
     assert len(labelled) == REPLICAS
     assert sorted(labelled.values()) == sorted(
-        one["vllm:num_requests_running", ()] for one in theirs)  # fmt: skip
+        one["vllm:num_requests_running", ()] for one in theirs
+    )
     info = [labels for (n, labels), _ in ours.items() if n == "vllm:lora_requests_info"]
     assert len({dict(labels)["replica"] for labels in info}) == REPLICAS  # told apart
 
@@ -287,8 +361,12 @@ def test_the_fleets_metrics_agree_with_the_replicas_own(fleet: Fleet) -> None:
 def aborted(fleet: Fleet) -> float:
     """Requests the replicas aborted (``tgi_request_failure{err="abort"}``), summed."""
     prefix = 'tgi_request_failure{err="abort"} '
-    return sum(float(line.removeprefix(prefix)) for s in fleet_stats(fleet.app_name)
-               for line in s["metrics"].splitlines() if line.startswith(prefix))  # fmt: skip
+    return sum(
+        float(line.removeprefix(prefix))
+        for s in fleet_stats(fleet.app_name)
+        for line in s["metrics"].splitlines()
+        if line.startswith(prefix)
+    )
 
 
 def test_a_client_that_disconnects_mid_stream_aborts_its_request_in_the_engine(
@@ -312,13 +390,38 @@ def test_bench_target_replays_against_the_fleet(fleet: Fleet, tmp_path: Path) ->
     report_path = tmp_path / "report.json"
     loads_before = sum(s["loads"] for s in fleet_stats(fleet.app_name))
     done = subprocess.run(
-        [sys.executable, "-m", "lora_guard.cli", "bench", "--target", fleet.url,
-         "--adapters", "6", "--tenants", "2", "--requests", "12", "--rate", "6",
-         "--output-mean", "10", "--system-prompt-words", "12", "--user-words", "6",
-         "--model", str(fleet.model), "--adapter-dir", str(fleet.adapters),
-         "--json", str(report_path)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "lora_guard.cli",
+            "bench",
+            "--target",
+            fleet.url,
+            "--adapters",
+            "6",
+            "--tenants",
+            "2",
+            "--requests",
+            "12",
+            "--rate",
+            "6",
+            "--output-mean",
+            "10",
+            "--system-prompt-words",
+            "12",
+            "--user-words",
+            "6",
+            "--model",
+            str(fleet.model),
+            "--adapter-dir",
+            str(fleet.adapters),
+            "--json",
+            str(report_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     target = json.loads(report_path.read_text())["schemes"]["target"]
     assert target["requests"] == target["completed"] == 12
@@ -332,16 +435,20 @@ def test_with_api_keys_the_fleet_checks_them_and_its_metrics_need_an_admin_key(
     fleet_files: tuple[Path, Path], ray_port: int, tmp_path: Path
 ) -> None:
     keys = tmp_path / "keys.toml"
-    keys.write_text('[keys.app]\nkey = "app-secret-key"\ntenant = "acme"\n'
-                    '[keys.ops]\nkey = "ops-secret-key"\nadmin = true\n')  # fmt: skip
+    keys.write_text(
+        '[keys.app]\nkey = "app-secret-key"\ntenant = "acme"\n'
+        '[keys.ops]\nkey = "ops-secret-key"\nadmin = true\n'
+    )
     keyed = deploy(fleet_files, ray_port, "lora-guard", "/keyed", 1, "--api-key-file", str(keys))
     try:
         body = {"inputs": "hello", "parameters": {"max_new_tokens": 2, "adapter_id": "f-00"}}
         assert httpx.post(keyed.url + "/generate", json=body, timeout=60).status_code == 401
         app = {"Authorization": "Bearer app-secret-key"}
         ops = {"Authorization": "Bearer ops-secret-key"}
-        assert httpx.post(keyed.url + "/generate", json=body, headers=app,
-                          timeout=60).status_code == 200  # fmt: skip
+        assert (
+            httpx.post(keyed.url + "/generate", json=body, headers=app, timeout=60).status_code
+            == 200
+        )
         assert httpx.get(keyed.url + "/metrics", headers=app, timeout=60).status_code == 403
         metrics = httpx.get(keyed.url + "/metrics", headers=ops, timeout=60)
         assert metrics.status_code == 200 and "lora_guard_adapter_lookups_total" in metrics.text

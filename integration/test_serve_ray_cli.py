@@ -25,9 +25,18 @@ def test_the_command_serves_every_adapter_correctly_and_stops_on_sigterm(
     model, adapters = tiny
     log = tmp_path / "serve-ray.log"
     server = start_server(
-        model, adapters, "--replicas", "2", "--replica-cpus", "0.5", "--ray-cpus", "2",
-        log=log, command_name="serve-ray", ready_s=240,
-    )  # fmt: skip
+        model,
+        adapters,
+        "--replicas",
+        "2",
+        "--replica-cpus",
+        "0.5",
+        "--ray-cpus",
+        "2",
+        log=log,
+        command_name="serve-ray",
+        ready_s=240,
+    )
     try:
         serves_correctly(server.url)
     finally:

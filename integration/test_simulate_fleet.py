@@ -67,11 +67,24 @@ from lora_guard.serve_ray.app import fleet_stats  # noqa: E402
 REPLICAS, SEATS, CLIENTS = 2, 3, 4
 STATS_PERIOD_S = 0.5
 SPEC = WorkloadSpec(
-    adapters=16, tenants=2, requests=200, zipf=1.0, seed=5, system_prompt_words=12,
-    user_words_mean=6, output_mean=40, output_min=16, output_max=100,
-)  # fmt: skip
-MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=2)  # fmt: skip
+    adapters=16,
+    tenants=2,
+    requests=200,
+    zipf=1.0,
+    seed=5,
+    system_prompt_words=12,
+    user_words_mean=6,
+    output_mean=40,
+    output_min=16,
+    output_max=100,
+)
+MODEL = dict(
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+)
 PROBES = 20  # one-token requests that measure the fleet's time outside the engine
 TOLERANCE = 0.15
 ATTEMPTS = 3  # a real-time replay on a shared CPU: another process may slow one run down
@@ -92,8 +105,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     fleet's work was as large as the engine's)."""
     root = tmp_path_factory.mktemp("simulated-fleet")
     model = make_tiny_llama(root / "model", **MODEL)
-    make_adapters(model, root / "adapters", n=SPEC.adapters, ranks=(4, 8), strength=0.5,
-                  prefix="s")  # fmt: skip
+    make_adapters(model, root / "adapters", n=SPEC.adapters, ranks=(4, 8), strength=0.5, prefix="s")
     return model, root / "adapters"
 
 
@@ -101,9 +113,25 @@ def replica_argv(files: tuple[Path, Path], port: int) -> list[str]:
     """The replicas' ``lora-guard serve`` settings: the policy the simulator models (``lru``),
     and no prefix cache (it does not model one)."""
     model, adapters = files
-    return ["--model", str(model), "--adapter-dir", str(adapters), "--host", "127.0.0.1",
-            "--port", str(port), "--kv-cache-memory", "16MiB", "--block-size", "4",
-            "--max-loras", str(SEATS), "--policies", "lru", "--no-prefix-caching"]  # fmt: skip
+    return [
+        "--model",
+        str(model),
+        "--adapter-dir",
+        str(adapters),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--kv-cache-memory",
+        "16MiB",
+        "--block-size",
+        "4",
+        "--max-loras",
+        str(SEATS),
+        "--policies",
+        "lru",
+        "--no-prefix-caching",
+    ]
 
 
 def calibrated_loads(argv: list[str], ids: list[str]) -> Costs:
@@ -111,8 +139,9 @@ def calibrated_loads(argv: list[str], ids: list[str]) -> Costs:
     thread) on a short grid of steps: the simulator takes its reads from disk from here, its
     step and write costs from the fleet's own steps."""
     task = ray.remote(num_cpus=0)(calibrate_serve)
-    costs: Costs = ray.get(task.remote(argv, ids, adapters_per_batch=(0, 1, 2), batches=(1, 2),
-                                       repeats=2))  # fmt: skip
+    costs: Costs = ray.get(
+        task.remote(argv, ids, adapters_per_batch=(0, 1, 2), batches=(1, 2), repeats=2)
+    )
     return costs
 
 
@@ -126,8 +155,9 @@ def prompt_tokens(argv: list[str], prompts: list[str]) -> dict[str, int]:
     return {p: len(encode_text(tokenizer, p)) for p in prompts}
 
 
-def generate(http: httpx.Client, prompt: str, adapter: str | None, tokens: int,
-             tenant: str = "default") -> Answer:  # fmt: skip
+def generate(
+    http: httpx.Client, prompt: str, adapter: str | None, tokens: int, tenant: str = "default"
+) -> Answer:
     """One request on ``/generate``: its status, its tokens and the seconds to its answer."""
     body = {"inputs": prompt, "parameters": {"max_new_tokens": tokens, "adapter_id": adapter}}
     started = time.perf_counter()
@@ -157,8 +187,13 @@ def replay(url: str, trace: list[TraceRequest]) -> dict[str, Answer]:
 def warm_up(url: str, prompt: str) -> None:
     """Base-model requests from two clients (one on each replica: the shorter queue), so that
     neither replica's first steps are measured."""
-    closed_loop(url, [prompt] * 3 * REPLICAS, lambda http, p: generate(http, p, None, 8),
-                REPLICAS, timeout_s=60)  # fmt: skip
+    closed_loop(
+        url,
+        [prompt] * 3 * REPLICAS,
+        lambda http, p: generate(http, p, None, 8),
+        REPLICAS,
+        timeout_s=60,
+    )
 
 
 def probe(url: str, prompts: list[str]) -> list[float]:
@@ -186,17 +221,19 @@ class Run:
 
     def figures(self) -> str:
         c = self.costs
-        return (f"loads: simulated {self.sim.loads}, real {self.loads}; latency p95: simulated "
-                f"{self.sim.latency_p95_ms:.0f} ms, real {self.p95_ms:.0f} ms; p50: simulated "
-                f"{self.sim.latency_p50_ms:.0f} ms, real {self.p50_ms:.0f} ms; fleet overhead "
-                f"{self.overhead_ms:.1f} ms a request; step ms {c.step_ms:.2f} + "
-                f"{c.step_per_seq_ms:.2f} per sequence + {c.step_per_adapter_mib_ms:.2f} per "
-                f"adapter MiB + {c.prefill_per_token_ms:.3f} per prefill token, a write "
-                f"{c.write():.1f} ms, a read {c.read():.1f} ms (over {self.fit.samples} steps, "
-                f"RMS {self.fit.rms_relative:.0%}); a step of 2 sequences over 2 adapters "
-                f"{c.step(2, 2, 0):.1f} ms, {self.alone.step(2, 2, 0):.1f} ms calibrated alone; "
-                f"loads {error(self.sim.loads, self.loads)}, "
-                f"p95 {error(self.sim.latency_p95_ms, self.p95_ms)}")  # fmt: skip
+        return (
+            f"loads: simulated {self.sim.loads}, real {self.loads}; latency p95: simulated "
+            f"{self.sim.latency_p95_ms:.0f} ms, real {self.p95_ms:.0f} ms; p50: simulated "
+            f"{self.sim.latency_p50_ms:.0f} ms, real {self.p50_ms:.0f} ms; fleet overhead "
+            f"{self.overhead_ms:.1f} ms a request; step ms {c.step_ms:.2f} + "
+            f"{c.step_per_seq_ms:.2f} per sequence + {c.step_per_adapter_mib_ms:.2f} per "
+            f"adapter MiB + {c.prefill_per_token_ms:.3f} per prefill token, a write "
+            f"{c.write():.1f} ms, a read {c.read():.1f} ms (over {self.fit.samples} steps, "
+            f"RMS {self.fit.rms_relative:.0%}); a step of 2 sequences over 2 adapters "
+            f"{c.step(2, 2, 0):.1f} ms, {self.alone.step(2, 2, 0):.1f} ms calibrated alone; "
+            f"loads {error(self.sim.loads, self.loads)}, "
+            f"p95 {error(self.sim.latency_p95_ms, self.p95_ms)}"
+        )
 
     def agrees(self) -> bool:
         return within(self.sim.loads, self.loads) and within(self.sim.latency_p95_ms, self.p95_ms)
@@ -217,9 +254,15 @@ def run_once(files: tuple[Path, Path], port: int, trace: list[TraceRequest], tag
     settings = load_settings(argv)
     ids = sorted(p.name for p in files[1].iterdir() if p.is_dir())
     name, log = f"simulated-fleet-{tag}", files[0].parent / f"steps-{tag}.jsonl"
-    url = serve_ray.run([*argv, "--step-log", str(log)], REPLICAS, router="lora-guard",
-                        app_name=name, replica_cpus=0.5, stats_period_s=STATS_PERIOD_S,
-                        route_prefix=f"/{name}")  # fmt: skip
+    url = serve_ray.run(
+        [*argv, "--step-log", str(log)],
+        REPLICAS,
+        router="lora-guard",
+        app_name=name,
+        replica_cpus=0.5,
+        stats_period_s=STATS_PERIOD_S,
+        route_prefix=f"/{name}",
+    )
     try:
         warm_up(url, trace[0].prompt)
         probes = list(dict.fromkeys(r.prompt for r in trace))[:PROBES]
@@ -239,17 +282,30 @@ def run_once(files: tuple[Path, Path], port: int, trace: list[TraceRequest], tag
     costs = with_step_fit(alone, fit, "the fleet's steps")
     tokens = prompt_tokens(argv, [r.prompt for r in trace])
     # The fleet's time outside the engine: each probe's answer less its one prefill step.
-    overhead_ms = statistics.mean(1000 * s - costs.step(1, 0, tokens[p])
-                                  for s, p in zip(probe_s, probes, strict=True))  # fmt: skip
-    requests = [SimRequest(i, r.time, r.adapter_id, tokens[r.prompt], answers[r.id].generated)
-                for i, r in enumerate(trace)]  # fmt: skip
+    overhead_ms = statistics.mean(
+        1000 * s - costs.step(1, 0, tokens[p]) for s, p in zip(probe_s, probes, strict=True)
+    )
+    requests = [
+        SimRequest(i, r.time, r.adapter_id, tokens[r.prompt], answers[r.id].generated)
+        for i, r in enumerate(trace)
+    ]
     sim = simulate(
-        requests, "lora-guard", REPLICAS, SEATS, costs, max_num_seqs=settings.max_num_seqs,
-        max_queue=settings.max_concurrent_requests, stats_period_s=STATS_PERIOD_S,
-        quantum_s=settings.residency_quantum_ms / 1000, host_slots=settings.max_cpu_loras,
-        max_batch_tokens=settings.max_batch_tokens, spread_queue=settings.max_num_seqs,
-        clients=CLIENTS, overhead_ms=overhead_ms, stats_tick_s=CONTROL_LOOP_INTERVAL_S,
-    )  # fmt: skip
+        requests,
+        "lora-guard",
+        REPLICAS,
+        SEATS,
+        costs,
+        max_num_seqs=settings.max_num_seqs,
+        max_queue=settings.max_concurrent_requests,
+        stats_period_s=STATS_PERIOD_S,
+        quantum_s=settings.residency_quantum_ms / 1000,
+        host_slots=settings.max_cpu_loras,
+        max_batch_tokens=settings.max_batch_tokens,
+        spread_queue=settings.max_num_seqs,
+        clients=CLIENTS,
+        overhead_ms=overhead_ms,
+        stats_tick_s=CONTROL_LOOP_INTERVAL_S,
+    )
     latency = [a.seconds * 1000 for a in answers.values()]
     p95, p50 = percentile(latency, 95), percentile(latency, 50)
     assert p95 is not None and p50 is not None and sim.completed == len(trace)

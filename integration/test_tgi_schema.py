@@ -47,14 +47,42 @@ def _contract_path() -> Path:
 
 
 _ANNOTATIONS = frozenset(
-    {"description", "example", "examples", "default", "format", "discriminator", "title",
-     "deprecated", "readOnly", "writeOnly", "nullable"}
-)  # fmt: skip
+    {
+        "description",
+        "example",
+        "examples",
+        "default",
+        "format",
+        "discriminator",
+        "title",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "nullable",
+    }
+)
 _ASSERTIONS = frozenset(
-    {"type", "enum", "allOf", "anyOf", "oneOf", "minimum", "maximum", "exclusiveMinimum",
-     "exclusiveMaximum", "minLength", "maxLength", "pattern", "minItems", "maxItems", "items",
-     "required", "properties", "additionalProperties"}
-)  # fmt: skip
+    {
+        "type",
+        "enum",
+        "allOf",
+        "anyOf",
+        "oneOf",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "minItems",
+        "maxItems",
+        "items",
+        "required",
+        "properties",
+        "additionalProperties",
+    }
+)
 
 
 _ANY_INDEX = re.compile(r"\[\d+\]")
@@ -132,8 +160,10 @@ class Contract:
         for rule in ("anyOf", "oneOf"):
             if rule in schema:
                 subs = schema[rule]
-                ok = [not self.errors(instance, s, f"{pointer}/{rule}/{i}", where)
-                      for i, s in enumerate(subs)]  # fmt: skip
+                ok = [
+                    not self.errors(instance, s, f"{pointer}/{rule}/{i}", where)
+                    for i, s in enumerate(subs)
+                ]
                 if (rule == "anyOf" and not any(ok)) or (rule == "oneOf" and sum(ok) != 1):
                     fail(rule, f"matches {sum(ok)} of {len(subs)} alternatives")
         if _is_type(instance, "number"):
@@ -351,11 +381,23 @@ def test_generate_with_every_supported_parameter_answers_a_generate_response(
     server: ServerProcess, client: httpx.Client, contract: Contract
 ) -> None:
     parameters = {
-        "adapter_id": "a-01", "best_of": 1, "decoder_input_details": True, "details": True,
-        "do_sample": True, "max_new_tokens": 6, "repetition_penalty": 1.1,
-        "return_full_text": True, "seed": 7, "stop": ["zz"], "temperature": 0.8, "top_k": 20,
-        "top_p": 0.9, "truncate": 8, "typical_p": 1.0, "watermark": False,
-    }  # fmt: skip
+        "adapter_id": "a-01",
+        "best_of": 1,
+        "decoder_input_details": True,
+        "details": True,
+        "do_sample": True,
+        "max_new_tokens": 6,
+        "repetition_penalty": 1.1,
+        "return_full_text": True,
+        "seed": 7,
+        "stop": ["zz"],
+        "temperature": 0.8,
+        "top_k": 20,
+        "top_p": 0.9,
+        "truncate": 8,
+        "typical_p": 1.0,
+        "watermark": False,
+    }
     request = {"inputs": "The capital of France is", "parameters": parameters}
     _assert_valid(contract, request, contract.component("GenerateRequest"))
     r = client.post(server.url + "/generate", json=request)
@@ -622,10 +664,37 @@ NUMBERS = st.sampled_from(
 )
 INTEGERS = st.sampled_from([0, -1, 2**31 - 1, 2**31, 2**63, 2**64, 2**70, -(2**70)])
 ADAPTER_IDS = st.sampled_from(
-    ["a-00", "a-01", "a-02", "tgi", "", ".", "..", "../a-00", "a-00/..", "./a-00", "a/b",
-     "/etc/passwd", "~", "A-00", " a-00", "a-00 ", "a-00\n", "a-00\x00", "é", "a\u200b-00",
-     "\ud800", "nope", "a" * 300, "a-00/", "a..b", "..a", "C:\\a", "%2e%2e"]
-)  # fmt: skip
+    [
+        "a-00",
+        "a-01",
+        "a-02",
+        "tgi",
+        "",
+        ".",
+        "..",
+        "../a-00",
+        "a-00/..",
+        "./a-00",
+        "a/b",
+        "/etc/passwd",
+        "~",
+        "A-00",
+        " a-00",
+        "a-00 ",
+        "a-00\n",
+        "a-00\x00",
+        "é",
+        "a\u200b-00",
+        "\ud800",
+        "nope",
+        "a" * 300,
+        "a-00/",
+        "a..b",
+        "..a",
+        "C:\\a",
+        "%2e%2e",
+    ]
+)
 
 
 def _mostly(good: st.SearchStrategy[Any], bad: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
@@ -668,10 +737,16 @@ def _plausible(name: str, schema: Schema) -> st.SearchStrategy[Any]:
         width: Literal[32, 64] = 32 if schema.get("format") == "float" else 64
         least = max((x for x in (low, above) if x is not None), default=None)
         return st.one_of(
-            st.floats(least, high, exclude_min=above is not None and least == above, width=width,
-                      allow_nan=False, allow_infinity=False),
+            st.floats(
+                least,
+                high,
+                exclude_min=above is not None and least == above,
+                width=width,
+                allow_nan=False,
+                allow_infinity=False,
+            ),
             null,
-        )  # fmt: skip
+        )
     if kind == "boolean":
         return st.booleans()
     return st.one_of(st.text(max_size=12), null)

@@ -129,8 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODULE[:OBJECT]",
         help="load this plugin too (repeatable)",
     )
-    plugins.add_argument("--disable-plugin", action="append", default=[], metavar="NAME",
-                         help="do not load this plugin (repeatable)")  # fmt: skip
+    plugins.add_argument(
+        "--disable-plugin",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="do not load this plugin (repeatable)",
+    )
     return parser
 
 
@@ -205,8 +210,11 @@ def _serve_ray(argv: list[str]) -> int:
     import importlib.util
 
     if importlib.util.find_spec("ray") is None:
-        print("lora-guard serve-ray: error: Ray Serve is not installed; install lora-guard[ray] "
-              "(pip install 'lora-guard[ray]')", file=sys.stderr)  # fmt: skip
+        print(
+            "lora-guard serve-ray: error: Ray Serve is not installed; install lora-guard[ray] "
+            "(pip install 'lora-guard[ray]')",
+            file=sys.stderr,
+        )
         return 2
     from lora_guard.serve_ray.runner import main as serve_ray
 

@@ -225,13 +225,28 @@ def _engine_setting(f: Field[Any], default: Any = MISSING) -> Setting:
         shown = None
     if isinstance(f.default, bool):
         name = _ENGINE_NAMES[f.name] if default else _ENGINE_NAMES[f.name].removeprefix("no_")
-        return Setting(name, parse_bool, False, "do not " + words if default else words,
-                       switch=True, invert=bool(default), **common)  # fmt: skip
+        return Setting(
+            name,
+            parse_bool,
+            False,
+            "do not " + words if default else words,
+            switch=True,
+            invert=bool(default),
+            **common,
+        )
     default = None if default is MISSING else default
-    return Setting(_ENGINE_NAMES[f.name], meta["check"], default, words, metavar=meta["metavar"],
-                   default_text=shown, **common)  # fmt: skip
+    return Setting(
+        _ENGINE_NAMES[f.name],
+        meta["check"],
+        default,
+        words,
+        metavar=meta["metavar"],
+        default_text=shown,
+        **common,
+    )
 
 
+# one row a line, as a table reads (fmt: skip)
 _ROWS: tuple[Setting, ...] = (
     Setting("config", _path, None,
             "TOML file of settings, keys as the setting names (max_loras or max-loras); flags and "
@@ -302,8 +317,7 @@ _PLAIN_TYPES: dict[Any, Callable[[str], Any]] = {
 def plugin_setting(option: Option) -> Setting:
     """The setting of a plugin's option: flag ``--<name>``, variable ``LORA_GUARD_<NAME>``."""
     parse = _PLAIN_TYPES.get(option.type, option.type)
-    return Setting(option.name, parse, option.default, option.help, metavar="VALUE",
-                   group="plugin")  # fmt: skip
+    return Setting(option.name, parse, option.default, option.help, metavar="VALUE", group="plugin")
 
 
 def all_settings(hooks: Hooks | None) -> dict[str, Setting]:
@@ -365,8 +379,11 @@ class ServeSettings:
             name: not self.values[s.name] if s.invert else self.values[s.name]
             for name, s in _ENGINE_SETTINGS.items()
         }
-        return {**kwargs, "adapter_dir": self.adapter_dir[0] if self.adapter_dir else None,
-                "adapters": adapters}  # fmt: skip
+        return {
+            **kwargs,
+            "adapter_dir": self.adapter_dir[0] if self.adapter_dir else None,
+            "adapters": adapters,
+        }
 
     def plugin_settings(self) -> dict[str, Any]:
         """The dict for ``Hooks.configure`` (``LLM(settings=...)``): every setting by its name,
@@ -403,9 +420,12 @@ class _Formatter(argparse.HelpFormatter):
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         return textwrap.fill(
-            " ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
+            " ".join(text.split()),
+            width,
+            initial_indent=indent,
+            subsequent_indent=indent,
             break_on_hyphens=False,
-        )  # fmt: skip
+        )
 
 
 class _Parser(argparse.ArgumentParser):
@@ -455,8 +475,7 @@ def _add_argument(group: Any, setting: Setting) -> None:
         extra.append(f"default: {setting.shown_default()}")
     extra.append(f"env {setting.env}")
     help_text = f"{setting.help} ({'; '.join(extra)})".replace("%", "%%")
-    kwargs: dict[str, Any] = {"dest": setting.name, "help": help_text,
-                              "default": argparse.SUPPRESS}  # fmt: skip
+    kwargs: dict[str, Any] = {"dest": setting.name, "help": help_text, "default": argparse.SUPPRESS}
     if setting.switch:
         kwargs["action"] = "store_true"
     else:
@@ -488,8 +507,9 @@ def add_engine_flags(
     unknown = sorted(set(names) - set(fields_by_name))
     stray = sorted({*defaults, *shown} - set(names))
     if unknown or stray:
-        raise ValueError(f"not EngineConfig fields users set: {unknown}; a default for a flag "
-                         f"not added: {stray}")  # fmt: skip
+        raise ValueError(
+            f"not EngineConfig fields users set: {unknown}; a default for a flag not added: {stray}"
+        )
     for name in names:
         setting = _engine_setting(fields_by_name[name], defaults.get(name, MISSING))
         if name in shown:
@@ -501,9 +521,13 @@ def add_engine_flags(
         if setting.switch:
             parser.add_argument(setting.flag, action="store_true", **kwargs)
         else:
-            parser.add_argument(setting.flag, type=_flag_check(setting), default=setting.default,
-                                metavar=setting.metavar or setting.name.upper(),
-                                **kwargs)  # fmt: skip
+            parser.add_argument(
+                setting.flag,
+                type=_flag_check(setting),
+                default=setting.default,
+                metavar=setting.metavar or setting.name.upper(),
+                **kwargs,
+            )
 
 
 def _flag_check(setting: Setting) -> Callable[[str], Any]:
@@ -532,12 +556,12 @@ def engine_names(device: str, dtype: str) -> tuple[str, str]:
 
 
 def _phase_one_parser() -> _Parser:
-    parser = _Parser(prog=PROG, add_help=False, allow_abbrev=False,
-                     argument_default=argparse.SUPPRESS)  # fmt: skip
+    parser = _Parser(
+        prog=PROG, add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS
+    )
     for name in _PHASE_ONE:
         setting = SETTINGS_BY_NAME[name]
-        parser.add_argument(setting.flag, dest=name,
-                            action="append" if setting.repeat else "store")  # fmt: skip
+        parser.add_argument(setting.flag, dest=name, action="append" if setting.repeat else "store")
     return parser
 
 

@@ -50,6 +50,7 @@ class Metric:
 
 # In the order of the exposition. TGI's counters carry no _total suffix, which prometheus_client
 # adds to every Counter: they are gauges that only ever go up.
+# one row a line, as a table reads (fmt: skip)
 METRICS = (
     Metric("lora_guard_hot_adapter_hit_rate", "gauge",
            "Share of adapter lookups that found the adapter in a device slot, over the sliding "
@@ -313,9 +314,13 @@ def lora_requests_labels(state: EngineState) -> tuple[str, str, str]:
     needed = set(state.running_adapters) | set(state.waiting_adapters)
     # Between steps the engine lets an adapter no request needs leave at once (the quantum holds
     # only needed ones); the state a step reports still counts its own batch as using them.
-    idle = {v.adapter_id for v in state.slots
-            if v.adapter_id is not None and v.adapter_id not in needed
-            and v.adapter_id not in state.pinned}  # fmt: skip
+    idle = {
+        v.adapter_id
+        for v in state.slots
+        if v.adapter_id is not None
+        and v.adapter_id not in needed
+        and v.adapter_id not in state.pinned
+    }
     return (
         ",".join(sorted(resident)),
         ",".join(sorted(needed - resident)),

@@ -130,9 +130,11 @@ class _Fleet:
     of each request as its last token comes."""
 
     def __init__(
-        self, replicas: list[Replica], events: _Events,
+        self,
+        replicas: list[Replica],
+        events: _Events,
         finished: Callable[[Outcome, float], None] = lambda _o, _t: None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.replicas, self.events, self.finished = replicas, events, finished
 
     def arrive(self, replica: Replica, outcome: Outcome, now: float) -> None:
@@ -148,8 +150,11 @@ class _Fleet:
         write_ms = self._bring_in(replica, now)
         batch, prefill = self._batch(replica)
         # Used in the batch's order, as the engine marks them (the last the most recent).
-        adapters = list(dict.fromkeys(o.request.adapter_id for o, _ in batch
-                                      if o.request.adapter_id is not None))  # fmt: skip
+        adapters = list(
+            dict.fromkeys(
+                o.request.adapter_id for o, _ in batch if o.request.adapter_id is not None
+            )
+        )
         for adapter in adapters:
             replica.resident[adapter].last_used = now
             replica.resident.move_to_end(adapter)
@@ -316,8 +321,11 @@ class PowerOfTwoRouter:
         ranks = [views]
         if self.multiplex and adapter_id is not None:
             fewest = min(len(v.resident) for v in views)
-            ranks = [[v for v in views if adapter_id in v.resident],
-                     [v for v in views if len(v.resident) == fewest], views]  # fmt: skip
+            ranks = [
+                [v for v in views if adapter_id in v.resident],
+                [v for v in views if len(v.resident) == fewest],
+                views,
+            ]
         for rank in ranks:
             open_ = [v for v in rank if v.queue_len < v.max_queue]
             if open_:
@@ -354,9 +362,14 @@ class _Reports:
     start, and the router sees the report on the next tick."""
 
     def __init__(
-        self, fleet: _Fleet, events: _Events, period_s: float, tick_s: float, rng: random.Random,
+        self,
+        fleet: _Fleet,
+        events: _Events,
+        period_s: float,
+        tick_s: float,
+        rng: random.Random,
         running: Callable[[], bool],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.fleet, self.events, self.period_s, self.tick_s = fleet, events, period_s, tick_s
         self.rng, self.running = rng, running
         self.seen: dict[str, tuple[frozenset[str], int]] = {}
@@ -373,8 +386,9 @@ class _Reports:
 
     def view(self, replica: Replica, max_queue: int) -> ReplicaView:
         resident, free = self.seen[replica.replica_id]
-        return ReplicaView(replica.replica_id, resident, replica.queue_len, max_queue, free,
-                           cold_budget_left=1)  # fmt: skip
+        return ReplicaView(
+            replica.replica_id, resident, replica.queue_len, max_queue, free, cold_budget_left=1
+        )
 
     def _all(self, now: float) -> None:
         for replica in self.fleet.replicas:
@@ -446,8 +460,9 @@ def simulate(
 
     fleet = _Fleet([], events, finished)
     for i in range(replicas):
-        replica = Replica(f"r{i}", slots, max_num_seqs, costs, quantum_s, host_slots,
-                          max_batch_tokens)  # fmt: skip
+        replica = Replica(
+            f"r{i}", slots, max_num_seqs, costs, quantum_s, host_slots, max_batch_tokens
+        )
         for adapter in [*start_host, *start_resident][-host_slots:]:
             replica.host[adapter] = None
         for adapter in list(start_resident)[-slots:]:
@@ -460,8 +475,14 @@ def simulate(
         router = PowerOfTwoRouter(rng, multiplex=router_name == "ray-multiplex")
     else:
         raise ValueError(f"unknown router {router_name!r}; choose from {', '.join(ROUTERS)}")
-    reports = _Reports(fleet, events, stats_period_s, stats_tick_s, rng,
-                       lambda: any(o.finish is None for o in outcomes))  # fmt: skip
+    reports = _Reports(
+        fleet,
+        events,
+        stats_period_s,
+        stats_tick_s,
+        rng,
+        lambda: any(o.finish is None for o in outcomes),
+    )
 
     def send(outcome: Outcome) -> Callable[[float], None]:
         def action(now: float) -> None:
@@ -490,8 +511,7 @@ def simulate(
 
 
 def _result(name: str, fleet: _Fleet, outcomes: list[Outcome], half_s: float) -> SimResult:
-    ttft = [(o.first_token + half_s - o.sent) * 1000 for o in outcomes
-            if o.first_token is not None]  # fmt: skip
+    ttft = [(o.first_token + half_s - o.sent) * 1000 for o in outcomes if o.first_token is not None]
     latency = [(o.answered - o.sent) * 1000 for o in outcomes if o.answered is not None]
     per_replica = [sum(o.replica == r.replica_id for o in outcomes) for r in fleet.replicas]
     return SimResult(
@@ -517,18 +537,25 @@ def sim_requests(
     """The bench's trace (``bench/workload``) as the simulator's requests. ``prompt_tokens``
     counts a prompt's tokens (a tokenizer's); by default its words, about one token each."""
     count = prompt_tokens or (lambda text: len(text.split()))
-    return [SimRequest(n, r.time, r.adapter_id, max(count(r.prompt), 1), r.max_new_tokens)
-            for n, r in enumerate(trace)]  # fmt: skip
+    return [
+        SimRequest(n, r.time, r.adapter_id, max(count(r.prompt), 1), r.max_new_tokens)
+        for n, r in enumerate(trace)
+    ]
 
 
 def make_sim_trace(
-    adapters: int, requests: int, rate: float, seed: int = 0, zipf: float = 1.0,
+    adapters: int,
+    requests: int,
+    rate: float,
+    seed: int = 0,
+    zipf: float = 1.0,
     output_mean: float = 180.0,
-) -> list[SimRequest]:  # fmt: skip
+) -> list[SimRequest]:
     """The bench's Zipf workload (``bench/workload.make_trace``, bursts included) over adapters
     ``a0000 ...``, at a mean of ``rate`` arrivals a second."""
-    spec = WorkloadSpec(adapters=adapters, requests=requests, zipf=zipf, output_mean=output_mean,
-                        seed=seed)  # fmt: skip
+    spec = WorkloadSpec(
+        adapters=adapters, requests=requests, zipf=zipf, output_mean=output_mean, seed=seed
+    )
     spec = replace(spec, rate=rate * spec.rate / mean_rate(spec))
     return sim_requests(make_trace(spec, [f"a{i:04d}" for i in range(adapters)]))
 
@@ -558,15 +585,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--zipf", type=float, default=1.0)
     parser.add_argument("--routers", default=",".join(ROUTERS))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--costs", type=Path, help="costs JSON written by --calibrate "
-                        "(default: the demo model's, docs/simulate.md)")  # fmt: skip
-    parser.add_argument("--step-log", type=Path, metavar="FILE",
-                        help="fit the step and write costs to a step log (lora-guard serve "
-                        "--step-log FILE), over --costs or the defaults")  # fmt: skip
-    parser.add_argument("--calibrate", type=Path, metavar="OUT.json",
-                        help="measure the engine's costs and write them here")  # fmt: skip
-    parser.add_argument("--adapter-dir", type=Path,
-                        help="--calibrate: adapters (default: 8 made for the run)")  # fmt: skip
+    parser.add_argument(
+        "--costs",
+        type=Path,
+        help="costs JSON written by --calibrate (default: the demo model's, docs/simulate.md)",
+    )
+    parser.add_argument(
+        "--step-log",
+        type=Path,
+        metavar="FILE",
+        help="fit the step and write costs to a step log (lora-guard serve "
+        "--step-log FILE), over --costs or the defaults",
+    )
+    parser.add_argument(
+        "--calibrate",
+        type=Path,
+        metavar="OUT.json",
+        help="measure the engine's costs and write them here",
+    )
+    parser.add_argument(
+        "--adapter-dir", type=Path, help="--calibrate: adapters (default: 8 made for the run)"
+    )
     # The engine --calibrate measures, with `lora-guard serve`'s flags (imported here, as they
     # import torch: this module does not). It pins the CPU and float32 where serve picks by the
     # machine: costs measured like the defaults (the demo model in float32 on a CPU,
@@ -574,8 +613,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lora_guard.config import add_engine_flags
 
     calibrate = parser.add_argument_group("the engine --calibrate measures")
-    add_engine_flags(calibrate, ["model", "device", "dtype"],
-                     defaults={"device": "cpu", "dtype": "float32"})  # fmt: skip
+    add_engine_flags(
+        calibrate, ["model", "device", "dtype"], defaults={"device": "cpu", "dtype": "float32"}
+    )
     args = parser.parse_args(argv)
     if args.calibrate is not None:
         from lora_guard.config import engine_names
@@ -589,18 +629,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         costs = _fitted(costs, args.step_log)
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     print(f"costs: {costs.source}")
-    print("| replicas | router | loads per 1000 requests | hit rate | TTFT p50 ms | TTFT p95 ms "
-          "| busiest replica's share |")  # fmt: skip
+    print(
+        "| replicas | router | loads per 1000 requests | hit rate | TTFT p50 ms | TTFT p95 ms "
+        "| busiest replica's share |"
+    )
     print("|---:|---|---:|---:|---:|---:|---:|")
     for replicas in (int(n) for n in args.replicas.split(",")):
         rate = args.load * replicas * replica_capacity(costs, 100.0, 180.0)
         trace = make_sim_trace(args.adapters, args.requests, rate, args.seed, args.zipf)
         for name in routers:
-            result = simulate(trace, name, replicas, args.slots, costs, seed=args.seed,
-                              host_slots=args.host_slots)  # fmt: skip
-            print(f"| {replicas} | {name} | {1000 * result.loads / result.requests:.0f} | "
-                  f"{result.hit_rate:.2f} | {result.ttft_p50_ms:.0f} | {result.ttft_p95_ms:.0f} "
-                  f"| {result.busiest_share:.2f} |", flush=True)  # fmt: skip
+            result = simulate(
+                trace, name, replicas, args.slots, costs, seed=args.seed, host_slots=args.host_slots
+            )
+            print(
+                f"| {replicas} | {name} | {1000 * result.loads / result.requests:.0f} | "
+                f"{result.hit_rate:.2f} | {result.ttft_p50_ms:.0f} | {result.ttft_p95_ms:.0f} "
+                f"| {result.busiest_share:.2f} |",
+                flush=True,
+            )
     return 0
 
 
@@ -614,11 +660,13 @@ def _fitted(costs: Costs, step_log: Path) -> Costs:
     except (OSError, ValueError, TypeError) as exc:
         raise SystemExit(f"lora-guard simulate: --step-log {step_log}: {exc}") from None
     fitted = with_step_fit(costs, fit, f"{costs.source}, the step fitted to {step_log.name}")
-    print(f"step ms = {fitted.step_ms:.3f} + {fitted.step_per_seq_ms:.4f} x sequences + "
-          f"{fitted.step_per_adapter_mib_ms:.4f} x adapter MiB + "
-          f"{fitted.prefill_per_token_ms:.4f} x prefill tokens + {fitted.write_ms:.3f} x loads "
-          f"(over {fit.samples} steps of {step_log.name}: {100 * fit.rms_relative:.0f}% RMS "
-          f"relative)")  # fmt: skip
+    print(
+        f"step ms = {fitted.step_ms:.3f} + {fitted.step_per_seq_ms:.4f} x sequences + "
+        f"{fitted.step_per_adapter_mib_ms:.4f} x adapter MiB + "
+        f"{fitted.prefill_per_token_ms:.4f} x prefill tokens + {fitted.write_ms:.3f} x loads "
+        f"(over {fit.samples} steps of {step_log.name}: {100 * fit.rms_relative:.0f}% RMS "
+        f"relative)"
+    )
     return fitted
 
 

@@ -60,9 +60,12 @@ class Costs:
         """A step's cost; ``mib``: the adapter weights the batch reads (default: ``num_adapters``
         of ``adapter_mib`` each)."""
         mib = self.adapter_mib * num_adapters if mib is None else mib
-        return (self.step_ms + self.step_per_seq_ms * num_seqs
-                + self.step_per_adapter_mib_ms * mib
-                + self.prefill_per_token_ms * prefill_tokens)  # fmt: skip
+        return (
+            self.step_ms
+            + self.step_per_seq_ms * num_seqs
+            + self.step_per_adapter_mib_ms * mib
+            + self.prefill_per_token_ms * prefill_tokens
+        )
 
     def read(self, mib: float | None = None) -> float:
         return self.read_ms + self.read_per_mib_ms * (self.adapter_mib if mib is None else mib)
@@ -137,8 +140,14 @@ def with_step_fit(costs: Costs, fit: Fit, source: str) -> Costs:
     """``costs`` with the step cost of ``fit`` (:func:`fit_steps`), and the write's when the fit
     has its term."""
     fixed, per_seq, per_mib, per_token, *write = fit.coefficients
-    costs = replace(costs, step_ms=fixed, step_per_seq_ms=per_seq, step_per_adapter_mib_ms=per_mib,
-                    prefill_per_token_ms=per_token, source=source)  # fmt: skip
+    costs = replace(
+        costs,
+        step_ms=fixed,
+        step_per_seq_ms=per_seq,
+        step_per_adapter_mib_ms=per_mib,
+        prefill_per_token_ms=per_token,
+        source=source,
+    )
     return replace(costs, write_ms=write[0], write_per_mib_ms=0.0) if write else costs
 
 
@@ -151,17 +160,19 @@ class Calibration:
 
     def summary(self) -> str:
         c, s = self.costs, self.step_fit
-        return "\n".join([
-            f"step ms = {c.step_ms:.3f} + {c.step_per_seq_ms:.4f} x sequences "
-            f"+ {c.step_per_adapter_mib_ms:.4f} x adapter MiB + {c.prefill_per_token_ms:.4f} x "
-            f"prefill tokens",
-            f"  fit over {s.samples} steps: RMS error {s.rms_ms:.2f} ms, "
-            f"{100 * s.rms_relative:.1f}% RMS relative, worst {100 * s.worst_relative:.0f}%",
-            f"read ms = {c.read_ms:.3f} + {c.read_per_mib_ms:.4f} x MiB "
-            f"(RMS {100 * self.read_fit.rms_relative:.0f}%); write ms = {c.write_ms:.3f} + "
-            f"{c.write_per_mib_ms:.4f} x MiB (RMS {100 * self.write_fit.rms_relative:.0f}%)",
-            f"adapter MiB (mean) = {c.adapter_mib:.3f}",
-        ])  # fmt: skip
+        return "\n".join(
+            [
+                f"step ms = {c.step_ms:.3f} + {c.step_per_seq_ms:.4f} x sequences "
+                f"+ {c.step_per_adapter_mib_ms:.4f} x adapter MiB + {c.prefill_per_token_ms:.4f} x "
+                f"prefill tokens",
+                f"  fit over {s.samples} steps: RMS error {s.rms_ms:.2f} ms, "
+                f"{100 * s.rms_relative:.1f}% RMS relative, worst {100 * s.worst_relative:.0f}%",
+                f"read ms = {c.read_ms:.3f} + {c.read_per_mib_ms:.4f} x MiB "
+                f"(RMS {100 * self.read_fit.rms_relative:.0f}%); write ms = {c.write_ms:.3f} + "
+                f"{c.write_per_mib_ms:.4f} x MiB (RMS {100 * self.write_fit.rms_relative:.0f}%)",
+                f"adapter MiB (mean) = {c.adapter_mib:.3f}",
+            ]
+        )
 
 
 def measure_steps(
@@ -184,8 +195,7 @@ def measure_steps(
         for count in (k for k in adapters_per_batch if k <= min(batch, len(adapter_ids))):
             for length in prompt_tokens:
                 adapters = [adapter_ids[i % count] if count else None for i in range(batch)]
-                runs = [_run_batch(llm, rng, adapters, length, new_tokens)
-                        for _ in range(repeats)]  # fmt: skip
+                runs = [_run_batch(llm, rng, adapters, length, new_tokens) for _ in range(repeats)]
                 for steps in zip(*runs, strict=False):
                     if len({(s.seqs, s.adapter_bytes, s.prefill_tokens) for s in steps}) == 1:
                         seconds = statistics.median(s.seconds for s in steps)
@@ -224,8 +234,13 @@ def measure_loads(llm: LLM, adapter_ids: Sequence[str], repeats: int = 3) -> lis
     for adapter_id in adapter_ids:
         _make_resident(llm, [adapter_id])
         timings = [llm.engine.time_reload(adapter_id) for _ in range(repeats)]
-        samples.append(LoadSample(timings[0].mib, statistics.median(t.read_ms for t in timings),
-                                  statistics.median(t.write_ms for t in timings)))  # fmt: skip
+        samples.append(
+            LoadSample(
+                timings[0].mib,
+                statistics.median(t.read_ms for t in timings),
+                statistics.median(t.write_ms for t in timings),
+            )
+        )
     return samples
 
 
@@ -236,15 +251,19 @@ def calibrate(llm: LLM, adapter_ids: Sequence[str], **steps: Any) -> Calibration
     mixed = max(steps.get("adapters_per_batch", ADAPTERS_PER_BATCH))
     step_fit = fit_steps(measure_steps(llm, adapter_ids[:mixed], **steps))
     load_samples = measure_loads(llm, adapter_ids)
-    read_fit = fit_line([(1, s.adapter_mib) for s in load_samples],
-                        [s.read_ms for s in load_samples])  # fmt: skip
-    write_fit = fit_line([(1, s.adapter_mib) for s in load_samples],
-                         [s.write_ms for s in load_samples])  # fmt: skip
+    read_fit = fit_line(
+        [(1, s.adapter_mib) for s in load_samples], [s.read_ms for s in load_samples]
+    )
+    write_fit = fit_line(
+        [(1, s.adapter_mib) for s in load_samples], [s.write_ms for s in load_samples]
+    )
     loads = Costs(
-        read_ms=read_fit.coefficients[0], read_per_mib_ms=read_fit.coefficients[1],
-        write_ms=write_fit.coefficients[0], write_per_mib_ms=write_fit.coefficients[1],
+        read_ms=read_fit.coefficients[0],
+        read_per_mib_ms=read_fit.coefficients[1],
+        write_ms=write_fit.coefficients[0],
+        write_per_mib_ms=write_fit.coefficients[1],
         adapter_mib=statistics.mean(s.adapter_mib for s in load_samples),
-    )  # fmt: skip
+    )
     costs = with_step_fit(loads, step_fit, "calibrated in this process")
     return Calibration(costs, step_fit, read_fit, write_fit)
 
@@ -262,8 +281,11 @@ def calibrate_serve(
 
     torch.set_num_threads(threads)
     settings = load_settings(list(serve_argv))
-    llm = LLM(**settings.engine_kwargs(), policies=list(settings.policies),
-              settings=settings.plugin_settings())  # fmt: skip
+    llm = LLM(
+        **settings.engine_kwargs(),
+        policies=list(settings.policies),
+        settings=settings.plugin_settings(),
+    )
     try:
         return calibrate(llm, adapter_ids, **steps).costs
     finally:
@@ -271,20 +293,33 @@ def calibrate_serve(
 
 
 def write_costs(calibration: Calibration, path: Path, about: dict[str, Any]) -> None:
-    costs = {f.name: getattr(calibration.costs, f.name) for f in fields(Costs)
-             if f.name != "source"}  # fmt: skip
+    costs = {
+        f.name: getattr(calibration.costs, f.name) for f in fields(Costs) if f.name != "source"
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
-        **about, "costs_ms": costs, "step_fit": asdict(calibration.step_fit),
-        "read_fit": asdict(calibration.read_fit), "write_fit": asdict(calibration.write_fit),
-    }, indent=2) + "\n")  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                **about,
+                "costs_ms": costs,
+                "step_fit": asdict(calibration.step_fit),
+                "read_fit": asdict(calibration.read_fit),
+                "write_fit": asdict(calibration.write_fit),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 def read_costs(path: Path) -> Costs:
     """The costs of a file ``write_costs`` wrote."""
     data = json.loads(path.read_text())
-    return Costs(**data["costs_ms"], source=f"{path.name} ({data.get('model', 'a model')}, "
-                 f"{data.get('device', '?')}, {data.get('dtype', '?')})")  # fmt: skip
+    return Costs(
+        **data["costs_ms"],
+        source=f"{path.name} ({data.get('model', 'a model')}, "
+        f"{data.get('device', '?')}, {data.get('dtype', '?')})",
+    )
 
 
 def calibrate_command(
@@ -305,22 +340,39 @@ def calibrate_command(
             from lora_guard.demo.adapters import make_adapters
 
             adapter_dir = Path(scratch)
-            make_adapters(model, adapter_dir, n=max(ADAPTERS_PER_BATCH), ranks=(8, 16, 32),
-                          prefix="calibrate", all_projections=True)  # fmt: skip
+            make_adapters(
+                model,
+                adapter_dir,
+                n=max(ADAPTERS_PER_BATCH),
+                ranks=(8, 16, 32),
+                prefix="calibrate",
+                all_projections=True,
+            )
         ids = [a for a, _ in scan_adapter_dir(adapter_dir)][: max(ADAPTERS_PER_BATCH)]
-        llm = LLM(model, adapters={a: adapter_dir / a for a in ids}, max_loras=len(ids),
-                  cache_memory="1GiB", dtype=dtype, device=device, max_num_seqs=max(BATCHES),
-                  policies="lru")  # fmt: skip
+        llm = LLM(
+            model,
+            adapters={a: adapter_dir / a for a in ids},
+            max_loras=len(ids),
+            cache_memory="1GiB",
+            dtype=dtype,
+            device=device,
+            max_num_seqs=max(BATCHES),
+            policies="lru",
+        )
         started, load_before = time.perf_counter(), os.getloadavg()[0]
         calibration = calibrate(llm, ids)
         model_id = llm.engine.model_id
         llm.engine.shutdown()
     about = {
         "command": f"lora-guard simulate --calibrate {out.name if out.is_absolute() else out}",
-        "model": model_id, "device": device, "dtype": dtype,
-        "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(), "adapters": len(ids),
+        "model": model_id,
+        "device": device,
+        "dtype": dtype,
+        "torch_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "adapters": len(ids),
         "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # before, after
-    }  # fmt: skip
+    }
     write_costs(calibration, out, about)
     print(calibration.summary())
     print(f"wrote {out} in {time.perf_counter() - started:.0f} s")
@@ -330,8 +382,11 @@ def calibrate_command(
 def _make_resident(llm: LLM, adapter_ids: Sequence[str]) -> None:
     from lora_guard.engine import SamplingParams
 
-    llm.generate(["Warm-up."] * len(adapter_ids), SamplingParams(max_new_tokens=1, ignore_eos=True),
-                 list(adapter_ids))  # fmt: skip
+    llm.generate(
+        ["Warm-up."] * len(adapter_ids),
+        SamplingParams(max_new_tokens=1, ignore_eos=True),
+        list(adapter_ids),
+    )
     missing = [a for a in adapter_ids if a not in llm.engine.figures().resident]
     if missing:
         raise ValueError(f"calibration needs every adapter resident at once; not: {missing}")

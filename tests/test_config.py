@@ -19,6 +19,7 @@ from lora_guard.config import (
 from lora_guard.plugins.manager import DISABLE_AUTOLOAD_ENV, Hooks
 
 # The stable flag names of DESIGN.md section 5 ("Config").
+# one row a line, as a table reads (fmt: skip)
 DESIGN_FLAGS = (
     "--model", "--model-id", "--adapter-dir", "--adapter", "--host", "--port", "--device",
     "--dtype", "--max-loras", "--max-cpu-loras", "--max-lora-rank", "--max-loras-per-batch",
@@ -28,6 +29,7 @@ DESIGN_FLAGS = (
     "--max-total-tokens", "--max-batch-tokens", "--api-key-file", "--plugin", "--disable-plugin",
 )  # fmt: skip
 # Those that are the policies' own options, not the server's.
+# one row a line, as a table reads (fmt: skip)
 PLUGIN_FLAGS = {
     "--max-loras-per-batch", "--hot-set-size", "--pin", "--cold-loads-per-minute",
     "--low-watermark", "--high-watermark", "--kv-namespace-scope",
@@ -55,8 +57,12 @@ def test_defaults() -> None:
         assert s.sources[setting.name] == "the default"
     assert s.policies == ("hot-set", "cold-budget", "kv-namespace")
     assert (s.host, s.port, s.max_loras, s.max_num_seqs, s.max_stop_sequences) == (
-        "127.0.0.1", 8080, 0, 64, 4,
-    )  # fmt: skip
+        "127.0.0.1",
+        8080,
+        0,
+        64,
+        4,
+    )
     assert s.options["cold_loads_per_minute"] == 6
     assert isinstance(s.hooks, Hooks)
     assert "hot-set" in s.hooks.names()
@@ -213,33 +219,34 @@ def test_unknown_environment_variables(tmp_path: Path) -> None:
     assert load(LORA_GUARD_CONFIG=str(toml(tmp_path, "port = 1\n"))).port == 1
 
 
-@pytest.mark.parametrize(
-    ("argv", "env", "file", "match"),
-    [
-        (["--max-loras", "many"], {}, None,
-         r"--max-loras: bad value 'many' from the command line \(--max-loras\): expected an int"),
-        ([], {"LORA_GUARD_MAX_LORAS": "-1"}, None,
-         r"--max-loras: bad value '-1' from environment variable LORA_GUARD_MAX_LORAS: must be at"),
-        ([], {}, "max_loras = 2.5",
-         r"--max-loras: bad value '2.5' from config file .*serve.toml \(key 'max_loras'\)"),
-        ([], {}, "max-loras = [1, 2]", r"--max-loras: bad value .* from config file .*max-loras"),
-        (["--port", "70000"], {}, None, r"--port: .*at most 65535"),
-        (["--block-size", "12"], {}, None, r"--block-size: .*power of two"),
-        (["--device", "tpu"], {}, None, r"--device: bad value 'tpu'"),
-        ([], {"LORA_GUARD_DTYPE": "int8"}, None, r"--dtype: .*LORA_GUARD_DTYPE"),
-        (["--policies", "lru,hot-set"], {}, None, r"--policies: .*cannot be combined"),
-        ([], {"LORA_GUARD_POLICIES": "best"}, None, r"--policies: .*LORA_GUARD_POLICIES.*best"),
-        ([], {}, 'kv-cache-memory = "lots"', r"--kv-cache-memory: bad value 'lots' from config"),
-        ([], {"LORA_GUARD_NO_PREFIX_CACHING": "maybe"}, None,
-         r"--no-prefix-caching: .*LORA_GUARD_NO_PREFIX_CACHING: expected true or false"),
-        (["--cold-loads-per-minute", "1.5"], {}, None,
-         r"--cold-loads-per-minute: bad value '1.5' from the command line"),
-        ([], {"LORA_GUARD_LOW_WATERMARK": "high"}, None,
-         r"--low-watermark: .*LORA_GUARD_LOW_WATERMARK: expected a number"),
-        (["--plugin", "not a module"], {}, None, r"--plugin: .*MODULE\[:OBJECT\]"),
-        (["--max-loras"], {}, None, r"--max-loras: expected one argument"),
-    ],
-)  # fmt: skip
+# one case a line, as a table reads (fmt: skip)
+BAD_VALUES = [
+    (["--max-loras", "many"], {}, None,
+     r"--max-loras: bad value 'many' from the command line \(--max-loras\): expected an int"),
+    ([], {"LORA_GUARD_MAX_LORAS": "-1"}, None,
+     r"--max-loras: bad value '-1' from environment variable LORA_GUARD_MAX_LORAS: must be at"),
+    ([], {}, "max_loras = 2.5",
+     r"--max-loras: bad value '2.5' from config file .*serve.toml \(key 'max_loras'\)"),
+    ([], {}, "max-loras = [1, 2]", r"--max-loras: bad value .* from config file .*max-loras"),
+    (["--port", "70000"], {}, None, r"--port: .*at most 65535"),
+    (["--block-size", "12"], {}, None, r"--block-size: .*power of two"),
+    (["--device", "tpu"], {}, None, r"--device: bad value 'tpu'"),
+    ([], {"LORA_GUARD_DTYPE": "int8"}, None, r"--dtype: .*LORA_GUARD_DTYPE"),
+    (["--policies", "lru,hot-set"], {}, None, r"--policies: .*cannot be combined"),
+    ([], {"LORA_GUARD_POLICIES": "best"}, None, r"--policies: .*LORA_GUARD_POLICIES.*best"),
+    ([], {}, 'kv-cache-memory = "lots"', r"--kv-cache-memory: bad value 'lots' from config"),
+    ([], {"LORA_GUARD_NO_PREFIX_CACHING": "maybe"}, None,
+     r"--no-prefix-caching: .*LORA_GUARD_NO_PREFIX_CACHING: expected true or false"),
+    (["--cold-loads-per-minute", "1.5"], {}, None,
+     r"--cold-loads-per-minute: bad value '1.5' from the command line"),
+    ([], {"LORA_GUARD_LOW_WATERMARK": "high"}, None,
+     r"--low-watermark: .*LORA_GUARD_LOW_WATERMARK: expected a number"),
+    (["--plugin", "not a module"], {}, None, r"--plugin: .*MODULE\[:OBJECT\]"),
+    (["--max-loras"], {}, None, r"--max-loras: expected one argument"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "env", "file", "match"), BAD_VALUES)
 def test_bad_values_name_the_setting_and_the_source(
     tmp_path: Path, argv: list[str], env: dict[str, str], file: str | None, match: str
 ) -> None:
@@ -301,9 +308,17 @@ def test_bad_adapters_from_env_and_file(tmp_path: Path) -> None:
 
 def test_repeatable_flags(tmp_path: Path) -> None:
     s = load(
-        ["--disable-plugin", "metrics", "--disable-plugin", "kv-namespace",
-         "--adapter-dir", "/one", "--adapter-dir", "/two"],
-    )  # fmt: skip
+        [
+            "--disable-plugin",
+            "metrics",
+            "--disable-plugin",
+            "kv-namespace",
+            "--adapter-dir",
+            "/one",
+            "--adapter-dir",
+            "/two",
+        ],
+    )
     assert s.disable_plugin == ("metrics", "kv-namespace")
     assert s.adapter_dir == (Path("/one"), Path("/two"))
     assert "metrics" not in s.hooks.names() and "kv-namespace" not in s.hooks.names()
@@ -336,8 +351,9 @@ def test_plugin_flag_loads_a_plugin_whose_options_become_flags(
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     spec = f"{module}:plugin"
-    s = load(["--plugin", spec, "--tenant-budget", "7", "--max-loras", "4"],
-             LORA_GUARD_STRICT="yes")  # fmt: skip
+    s = load(
+        ["--plugin", spec, "--tenant-budget", "7", "--max-loras", "4"], LORA_GUARD_STRICT="yes"
+    )
     assert s.plugin == (spec,)
     assert spec in s.hooks.names()
     assert s.options["tenant_budget"] == 7 and s.options["strict"] is True
@@ -441,8 +457,10 @@ def test_several_adapter_dirs(tmp_path: Path) -> None:
     kwargs = load([*argv, "--adapter", "d=/explicit"]).engine_kwargs()
     assert kwargs["adapter_dir"] == tmp_path / "one"
     assert kwargs["adapters"] == {
-        "b": tmp_path / "two" / "b", "c": tmp_path / "two" / "c", "d": Path("/explicit"),
-    }  # fmt: skip
+        "b": tmp_path / "two" / "b",
+        "c": tmp_path / "two" / "c",
+        "d": Path("/explicit"),
+    }
     with pytest.raises(SettingsError, match="cannot list it"):
         load(["--adapter-dir", "/a", "--adapter-dir", str(tmp_path / "nope")]).engine_kwargs()
 

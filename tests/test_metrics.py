@@ -104,8 +104,10 @@ def test_a_workload_shows_in_the_metrics(tiny_model: Path, adapters: dict[str, P
     # Every request's first token came before its end: TTFT counted once each, under the duration.
     total = sum(len(batch) for batch in batches)
     assert _value(s, "vllm:time_to_first_token_seconds_count") == total
-    ttft, duration = (_value(s, f"{name}_sum") for name in
-                      ("vllm:time_to_first_token_seconds", "tgi_request_duration"))  # fmt: skip
+    ttft, duration = (
+        _value(s, f"{name}_sum")
+        for name in ("vllm:time_to_first_token_seconds", "tgi_request_duration")
+    )
     assert 0 < ttft < duration
     # Idle: no KV block in use; the pool holds only the resident adapters' pages.
     assert _value(s, "vllm:kv_cache_usage_perc") == 0

@@ -19,8 +19,11 @@ def _labels(engine: LLMEngine) -> tuple[str, str, str]:
     for family in text_string_to_metric_families(plugin.render().decode()):
         if family.name == "vllm:lora_requests_info" and family.samples:
             labels = family.samples[0].labels
-            return (labels["running_lora_adapters"], labels["waiting_lora_adapters"],
-                    labels["max_lora"])  # fmt: skip
+            return (
+                labels["running_lora_adapters"],
+                labels["waiting_lora_adapters"],
+                labels["max_lora"],
+            )
     raise AssertionError("vllm:lora_requests_info has no sample")
 
 
@@ -28,8 +31,14 @@ def test_resident_waiting_and_free_adapters_are_listed(
     tiny_model: Path, tiny_adapters: AdapterFactory
 ) -> None:
     adapters = tiny_adapters(n=2, prefix="w")
-    llm = LLM(tiny_model, adapters=adapters, kv_cache_memory="4MiB", max_num_seqs=1,
-              max_loras=2, policies="lru")  # fmt: skip
+    llm = LLM(
+        tiny_model,
+        adapters=adapters,
+        kv_cache_memory="4MiB",
+        max_num_seqs=1,
+        max_loras=2,
+        policies="lru",
+    )
     engine = llm.engine
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     engine.add_request("first", "hello", params, "w-00")

@@ -70,9 +70,20 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     skip = shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "tests")
     shutil.copytree(PLUGIN_SOURCE, source, ignore=skip)
     target = tmp / "site"
-    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
-               "--no-index", "--disable-pip-version-check", "--quiet", "--target", str(target),
-               str(source)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "--disable-pip-version-check",
+        "--quiet",
+        "--target",
+        str(target),
+        str(source),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"pip install failed:\n{done.stdout}\n{done.stderr}"
     entry_points = next(target.glob("lora_guard_tenant_quota-*.dist-info")) / "entry_points.txt"
@@ -87,8 +98,11 @@ def _run(site: Path, script: str, *args: str, autoload: bool = True) -> Any:
         env[DISABLE_AUTOLOAD_ENV] = "1"
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script), *args],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, f"the script failed:\n{done.stdout}\n{done.stderr}"
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -139,8 +153,13 @@ def test_the_command_line_lists_it_and_disable_plugin_turns_it_off(site: Path) -
     assert "tenant-quota: " in listed.stdout
     assert "--tenant-slot-quota" in listed.stdout
 
-    off = subprocess.run([*command, "--disable-plugin", "tenant-quota"], capture_output=True,
-                         text=True, timeout=120, env=env)  # fmt: skip
+    off = subprocess.run(
+        [*command, "--disable-plugin", "tenant-quota"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert off.returncode == 0, off.stderr
     assert "tenant-quota" not in off.stdout
     assert "hot-set: " in off.stdout and "metrics: " in off.stdout

@@ -88,9 +88,15 @@ def _view(request_id: str, adapter_id: str | None = None, tenant: str = "default
 
 
 STATE = EngineState(
-    step=0, now=0.0, slots=(SlotView(0, None, 0, 0.0),), host_adapters=(), loading=frozenset(),
-    memory_watermark=0.0, num_waiting=2, num_running=0,
-)  # fmt: skip
+    step=0,
+    now=0.0,
+    slots=(SlotView(0, None, 0, 0.0),),
+    host_adapters=(),
+    loading=frozenset(),
+    memory_watermark=0.0,
+    num_waiting=2,
+    num_running=0,
+)
 WAITING = [_view("r1"), _view("r2")]
 
 
@@ -206,8 +212,10 @@ def test_a_raising_plugin_is_a_counted_fault(pm: pluggy.PluginManager) -> None:
 @pytest.fixture(scope="module")
 def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("plugin-adapters")
-    return {p.name: p for p in make_adapters(tiny_model, out, n=2, ranks=(8,), strength=0.5,
-                                             prefix="pl")}  # fmt: skip
+    return {
+        p.name: p
+        for p in make_adapters(tiny_model, out, n=2, ranks=(8,), strength=0.5, prefix="pl")
+    }
 
 
 def _llm(tiny_model: Path, adapters: dict[str, Path], **kwargs: Any) -> LLM:
@@ -430,8 +438,14 @@ def test_configure_gets_settings_and_option_defaults(
             SEEN.append(dict(config))
         """,
     )
-    llm = LLM(tiny_model, policies=(), plugins=[name], kv_cache_memory="4MiB", max_loras=3,
-              settings={"probe_label": "custom"})  # fmt: skip
+    llm = LLM(
+        tiny_model,
+        policies=(),
+        plugins=[name],
+        kv_cache_memory="4MiB",
+        max_loras=3,
+        settings={"probe_label": "custom"},
+    )
     plugin = llm.engine.hooks.pm.get_plugin(name)
     assert len(plugin.SEEN) == 1
     config = plugin.SEEN[0]

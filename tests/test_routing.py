@@ -8,8 +8,14 @@ from lora_guard.routing import AffinityRanker, ReplicaView
 from lora_guard.simulate import ROUTERS, SimRequest, make_sim_trace, simulate
 
 
-def view(name: str, resident: set[str] = frozenset(), queue: int = 0, free: int = 0,
-         budget: int = 0, max_queue: int = 8) -> ReplicaView:  # fmt: skip
+def view(
+    name: str,
+    resident: set[str] = frozenset(),
+    queue: int = 0,
+    free: int = 0,
+    budget: int = 0,
+    max_queue: int = 8,
+) -> ReplicaView:
     return ReplicaView(name, frozenset(resident), queue, max_queue, free, budget)
 
 
@@ -30,8 +36,12 @@ def test_replicas_rank_by_residency_then_room_then_budget_then_the_rest() -> Non
         view("resident-overloaded", {"a"}, queue=8),
     ]
     tiers = AffinityRanker(spread_queue=16).rank("a", replicas)
-    assert tiers == [["resident", "resident-busy"], ["room"], ["budget"],
-                     ["full-no-budget", "resident-overloaded"]]  # fmt: skip
+    assert tiers == [
+        ["resident", "resident-busy"],
+        ["room"],
+        ["budget"],
+        ["full-no-budget", "resident-overloaded"],
+    ]
 
 
 def test_a_hot_adapter_spreads_to_replicas_with_room_when_its_queues_grow() -> None:

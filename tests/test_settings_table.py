@@ -22,8 +22,15 @@ from lora_guard.plugins.manager import DISABLE_AUTOLOAD_ENV
 from lora_guard.settings_docs import DOCS_TABLES, with_generated_table
 
 DOCS = Path(__file__).parents[1] / "docs"
-LLM_OWN = {"adapter_dir", "adapters", "policies", "plugins", "disabled_plugins", "settings",
-           "clock"}  # fmt: skip
+LLM_OWN = {
+    "adapter_dir",
+    "adapters",
+    "policies",
+    "plugins",
+    "disabled_plugins",
+    "settings",
+    "clock",
+}
 BY_FIELD = {s.engine_field: s for s in SETTINGS if s.engine_field is not None}
 # Read before the plugins load; test_config.py covers them.
 PHASE_ONE = {"config", "policies", "plugin", "disable_plugin"}
@@ -79,8 +86,9 @@ def _sample(setting: Setting) -> str:
 
 
 @pytest.mark.parametrize("source", ["flag", "env", "file"])
-@pytest.mark.parametrize("setting", [s for s in SETTINGS if s.name not in PHASE_ONE],
-                         ids=lambda s: s.name)  # fmt: skip
+@pytest.mark.parametrize(
+    "setting", [s for s in SETTINGS if s.name not in PHASE_ONE], ids=lambda s: s.name
+)
 def test_every_setting_is_read_from_its_flag_variable_and_key(
     tmp_path: Path, setting: Setting, source: str
 ) -> None:
@@ -121,8 +129,12 @@ ENGINE_FLAGS = {s.flag: s.help for s in BY_FIELD.values()} | {
 #: Named like an engine flag, but another setting: simulate's reads the log serve's writes.
 NOT_ENGINE_FLAGS = {("lora-guard simulate", "--step-log")}
 #: The commands besides serve that take engine flags (cli: bench and train-adapter).
-COMMANDS = {"lora-guard": cli.main, "lora-guard simulate": simulate.main,
-            "bench.engine": bench_engine.main, "bench.virtual_time": virtual_time.main}  # fmt: skip
+COMMANDS = {
+    "lora-guard": cli.main,
+    "lora-guard simulate": simulate.main,
+    "bench.engine": bench_engine.main,
+    "bench.virtual_time": virtual_time.main,
+}
 
 
 class _Built(Exception):
@@ -180,17 +192,40 @@ def test_a_hand_declared_engine_flag_is_caught() -> None:
 
 def test_add_engine_flags_reads_values_as_serve_does_with_the_command_s_defaults() -> None:
     parser = argparse.ArgumentParser(prog="cmd")
-    add_engine_flags(parser, ["model", "dtype", "cache_memory", "enable_prefix_caching",
-                              "max_model_len"],
-                     defaults={"dtype": "float32", "enable_prefix_caching": False},
-                     shown={"cache_memory": "64MiB"})  # fmt: skip
+    add_engine_flags(
+        parser,
+        ["model", "dtype", "cache_memory", "enable_prefix_caching", "max_model_len"],
+        defaults={"dtype": "float32", "enable_prefix_caching": False},
+        shown={"cache_memory": "64MiB"},
+    )
     args = parser.parse_args([])
-    assert vars(args) == {"model": None, "dtype": "float32", "cache_memory": None,
-                          "prefix_caching": False, "max_total_tokens": None}  # fmt: skip
-    args = parser.parse_args(["--model", "m", "--dtype", "bf16", "--cache-memory", "2GiB",
-                              "--prefix-caching", "--max-total-tokens", "64"])  # fmt: skip
-    assert vars(args) == {"model": "m", "dtype": "bfloat16", "cache_memory": 2 * 2**30,
-                          "prefix_caching": True, "max_total_tokens": 64}  # fmt: skip
+    assert vars(args) == {
+        "model": None,
+        "dtype": "float32",
+        "cache_memory": None,
+        "prefix_caching": False,
+        "max_total_tokens": None,
+    }
+    args = parser.parse_args(
+        [
+            "--model",
+            "m",
+            "--dtype",
+            "bf16",
+            "--cache-memory",
+            "2GiB",
+            "--prefix-caching",
+            "--max-total-tokens",
+            "64",
+        ]
+    )
+    assert vars(args) == {
+        "model": "m",
+        "dtype": "bfloat16",
+        "cache_memory": 2 * 2**30,
+        "prefix_caching": True,
+        "max_total_tokens": 64,
+    }
     helps = {a.dest: a.help for a in parser._actions}
     assert helps["dtype"] == f"{BY_FIELD['dtype'].help} (default: float32)"
     assert helps["cache_memory"] == f"{BY_FIELD['cache_memory'].help} (default: 64MiB)"
@@ -199,11 +234,14 @@ def test_add_engine_flags_reads_values_as_serve_does_with_the_command_s_defaults
         add_engine_flags(parser, ["dtype"], defaults={"max_loras": 1})
 
 
-@pytest.mark.parametrize(("argv", "error"), [
-    (["--dtype", "int8"], "argument --dtype: bad value 'int8': expected one of"),
-    (["--block-size", "12"], "argument --block-size: bad value '12': must be a power of two"),
-    (["--cache-memory", "lots"], "argument --cache-memory: bad value 'lots': cannot read"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--dtype", "int8"], "argument --dtype: bad value 'int8': expected one of"),
+        (["--block-size", "12"], "argument --block-size: bad value '12': must be a power of two"),
+        (["--cache-memory", "lots"], "argument --cache-memory: bad value 'lots': cannot read"),
+    ],
+)
 def test_a_bad_engine_flag_is_a_usage_error_that_says_why(
     argv: list[str], error: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

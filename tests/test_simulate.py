@@ -45,12 +45,25 @@ def test_the_simulator_with_the_engines_step_costs_agrees_with_a_real_replay(
 ) -> None:
     adapters = tiny_adapters(n=12, prefix="sim", ranks=(4, 8, 16))
     ids = sorted(adapters)
-    spec = WorkloadSpec(adapters=12, tenants=3, requests=80, rate=4.0, system_prompt_words=8,
-                        user_words_mean=8, output_mean=48, output_min=8, output_max=128,
-                        seed=3)  # fmt: skip
+    spec = WorkloadSpec(
+        adapters=12,
+        tenants=3,
+        requests=80,
+        rate=4.0,
+        system_prompt_words=8,
+        user_words_mean=8,
+        output_mean=48,
+        output_min=8,
+        output_max=128,
+        seed=3,
+    )
     trace = make_trace(spec, ids)
-    options = EngineOptions(str(tiny_model), str(next(iter(adapters.values())).parent),
-                            max_loras=SEATS, kv_cache_memory="64MiB")  # fmt: skip
+    options = EngineOptions(
+        str(tiny_model),
+        str(next(iter(adapters.values())).parent),
+        max_loras=SEATS,
+        kv_cache_memory="64MiB",
+    )
     # The reads from disk calibrated once on the engine the replay runs (the same scheme and
     # options); each replay's step and write costs fitted to its own steps, since the
     # machine's speed may drift between a calibration and a replay.
@@ -64,13 +77,24 @@ def test_the_simulator_with_the_engines_step_costs_agrees_with_a_real_replay(
         real_p95 = percentile(latency, 95)
         assert real_p95 is not None and real_loads > 0
         costs = with_step_fit(calibrated, fit_steps(run.steps, loads=True), "the replay's steps")
-        sim = simulate(requests, "lora-guard", 1, SEATS, costs,
-                       start_resident=run.start_resident, start_host=ids)  # fmt: skip
-        figures = (f"loads: simulated {sim.loads}, real {real_loads}; latency p95: simulated "
-                   f"{sim.latency_p95_ms:.0f} ms, real {real_p95:.0f} ms")  # fmt: skip
+        sim = simulate(
+            requests,
+            "lora-guard",
+            1,
+            SEATS,
+            costs,
+            start_resident=run.start_resident,
+            start_host=ids,
+        )
+        figures = (
+            f"loads: simulated {sim.loads}, real {real_loads}; latency p95: simulated "
+            f"{sim.latency_p95_ms:.0f} ms, real {real_p95:.0f} ms"
+        )
         print(figures)
-        if (abs(sim.loads - real_loads) <= TOLERANCE * real_loads
-                and abs(sim.latency_p95_ms - real_p95) <= TOLERANCE * real_p95):  # fmt: skip
+        if (
+            abs(sim.loads - real_loads) <= TOLERANCE * real_loads
+            and abs(sim.latency_p95_ms - real_p95) <= TOLERANCE * real_p95
+        ):
             return
         misses.append(figures)
     pytest.fail(f"not within {TOLERANCE:.0%} in {ATTEMPTS} runs: " + "; ".join(misses))
@@ -87,19 +111,33 @@ def test_virtual_times_step_costs_agree_with_the_steps_of_a_fresh_replay(
     model, whose steps are a few milliseconds: docs/simulate.md.)"""
     adapters = tiny_adapters(n=12, prefix="vt", ranks=(4, 8, 16))
     ids = sorted(adapters)
-    spec = WorkloadSpec(adapters=12, tenants=3, requests=60, rate=4.0, system_prompt_words=8,
-                        user_words_mean=8, output_mean=48, output_min=8, output_max=128,
-                        seed=5)  # fmt: skip
-    options = EngineOptions(str(tiny_model), str(next(iter(adapters.values())).parent),
-                            max_loras=SEATS, kv_cache_memory="64MiB")  # fmt: skip
+    spec = WorkloadSpec(
+        adapters=12,
+        tenants=3,
+        requests=60,
+        rate=4.0,
+        system_prompt_words=8,
+        user_words_mean=8,
+        output_mean=48,
+        output_min=8,
+        output_max=128,
+        seed=5,
+    )
+    options = EngineOptions(
+        str(tiny_model),
+        str(next(iter(adapters.values())).parent),
+        max_loras=SEATS,
+        kv_cache_memory="64MiB",
+    )
     misses = []
     for attempt in range(ATTEMPTS):
         fitted = replay_scheme("lru", make_trace(spec, ids), options)
         costs = with_step_fit(Costs(), fit_steps(fitted.steps), "a replay's steps")
         fresh = replay_scheme("lru", make_trace(replace(spec, seed=6 + attempt), ids), options)
         steps = [s for s in fresh.steps if s.seqs and not s.loads]
-        modelled = sum(costs.step(s.seqs, s.adapters, s.prefill_tokens, s.adapter_bytes / MIB)
-                       for s in steps)  # fmt: skip
+        modelled = sum(
+            costs.step(s.seqs, s.adapters, s.prefill_tokens, s.adapter_bytes / MIB) for s in steps
+        )
         measured = sum(s.seconds * 1000 for s in steps)
         print(f"{len(steps)} steps: modelled {modelled:.0f} ms, recorded {measured:.0f} ms")
         if abs(modelled - measured) <= TOLERANCE * measured:
@@ -113,8 +151,9 @@ def _calibrated(
 ) -> tuple[Costs, list[SimRequest]]:
     """The engine's costs, and the trace as the simulator's requests (its tokenizer's counts)."""
     llm = scheme_llm("lru", options, None)
-    calibration = calibrate(llm, ids, adapters_per_batch=(0, 1, 2, SEATS),
-                            batches=(1, 2, 4, 8), repeats=2)  # fmt: skip
+    calibration = calibrate(
+        llm, ids, adapters_per_batch=(0, 1, 2, SEATS), batches=(1, 2, 4, 8), repeats=2
+    )
     requests = sim_requests(trace, lambda prompt: len(llm.engine.encode(prompt)))
     llm.engine.shutdown()
     return calibration.costs, requests
@@ -155,8 +194,19 @@ def test_lora_guard_simulate_prints_one_row_per_router_with_the_costs_given(
     fit = Fit((1.0,), 0.1, 0.01, 0.02, 5)
     path = tmp_path / "costs.json"
     write_costs(Calibration(Costs(step_ms=20.0), fit, fit, fit), path, {"model": "tiny"})
-    argv = ["simulate", "--adapters", "30", "--replicas", "2", "--requests", "200",
-            "--routers", "lora-guard,power-of-two", "--costs", str(path)]  # fmt: skip
+    argv = [
+        "simulate",
+        "--adapters",
+        "30",
+        "--replicas",
+        "2",
+        "--requests",
+        "200",
+        "--routers",
+        "lora-guard,power-of-two",
+        "--costs",
+        str(path),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "costs.json (tiny" in out
@@ -164,8 +214,9 @@ def test_lora_guard_simulate_prints_one_row_per_router_with_the_costs_given(
     assert [row.split("|")[2].strip() for row in rows] == ["lora-guard", "power-of-two"]
 
 
-FLAT = Costs(step_ms=10.0, step_per_seq_ms=1.0, step_per_adapter_mib_ms=0.0,
-             prefill_per_token_ms=0.0)  # fmt: skip
+FLAT = Costs(
+    step_ms=10.0, step_per_seq_ms=1.0, step_per_adapter_mib_ms=0.0, prefill_per_token_ms=0.0
+)
 
 
 def test_closed_loop_clients_send_each_request_once_their_last_is_answered() -> None:
@@ -256,16 +307,43 @@ def test_lora_guard_simulate_fits_its_step_cost_to_a_step_log(
 
     log = tmp_path / "steps.jsonl"
     grid = [(n, m, p, w) for n in (1, 3, 8) for m in (0, 2) for p in (0, 40) for w in (0, 1)]
-    log.write_text("".join(json.dumps({
-        "step": i, "finished_at": 0.0, "seconds": ms(*g) / 1000, "seqs": g[0], "adapters": 1,
-        "adapter_bytes": g[1] * MIB, "prefill_tokens": g[2], "loads": g[3],
-    }) + "\n" for i, g in enumerate(grid)))  # fmt: skip
-    argv = ["simulate", "--adapters", "20", "--replicas", "2", "--requests", "100",
-            "--routers", "lora-guard", "--step-log", str(log)]  # fmt: skip
+    log.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "step": i,
+                    "finished_at": 0.0,
+                    "seconds": ms(*g) / 1000,
+                    "seqs": g[0],
+                    "adapters": 1,
+                    "adapter_bytes": g[1] * MIB,
+                    "prefill_tokens": g[2],
+                    "loads": g[3],
+                }
+            )
+            + "\n"
+            for i, g in enumerate(grid)
+        )
+    )
+    argv = [
+        "simulate",
+        "--adapters",
+        "20",
+        "--replicas",
+        "2",
+        "--requests",
+        "100",
+        "--routers",
+        "lora-guard",
+        "--step-log",
+        str(log),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "step ms = 6.000 + 1.5000 x sequences + 0.5000 x adapter MiB + 0.1000 x prefill " \
-           "tokens + 12.000 x loads (over 24 steps of steps.jsonl" in out  # fmt: skip
+    assert (
+        "step ms = 6.000 + 1.5000 x sequences + 0.5000 x adapter MiB + 0.1000 x prefill "
+        "tokens + 12.000 x loads (over 24 steps of steps.jsonl" in out
+    )
     assert "the step fitted to steps.jsonl" in out and "| 2 | lora-guard |" in out
     log.write_text('{"step": 1}\n')
     with pytest.raises(SystemExit, match=r"--step-log .*steps\.jsonl: "):

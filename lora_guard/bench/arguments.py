@@ -14,9 +14,18 @@ FULL_REQUESTS = 200
 FULL_SEEDS = (0, 1, 2)
 DEFAULT_LOAD = 0.7
 QUICK_SPEC = WorkloadSpec(
-    adapters=8, tenants=2, requests=32, rate=6.0, burst_every_s=2.0, burst_len_s=0.5,
-    system_prompt_words=24, user_words_mean=8, output_mean=12, output_min=4, output_max=32,
-)  # fmt: skip
+    adapters=8,
+    tenants=2,
+    requests=32,
+    rate=6.0,
+    burst_every_s=2.0,
+    burst_len_s=0.5,
+    system_prompt_words=24,
+    user_words_mean=8,
+    output_mean=12,
+    output_min=4,
+    output_max=32,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,10 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # dtype, a quarter of free memory), the bench pins the CPU, float32 and a 768MiB pool: figures
     # comparable from run to run and machine to machine, every scheme (PEFT's too) alike.
     add_engine_flags(
-        parser, ["model", "max_loras", "max_lora_rank", "kv_cache_memory", "dtype", "lora_dtype",
-                 "device"],
+        parser,
+        ["model", "max_loras", "max_lora_rank", "kv_cache_memory", "dtype", "lora_dtype", "device"],
         defaults={"kv_cache_memory": "768MiB", "dtype": "float32", "device": "cpu"},
-    )  # fmt: skip
+    )
     add("--adapter-dir", type=Path, help="folder of adapters (default: the demo adapters)")
     add("--trace", type=Path, help="replay this JSONL trace instead of generating one")
     add("--write-trace", type=Path, metavar="FILE", help="save the trace replayed here")
@@ -151,11 +160,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
     """The trace the flags ask for (its rate is set later: by --rate, or by --load)."""
     return WorkloadSpec(
-        adapters=args.adapters, tenants=args.tenants, requests=args.requests,
-        zipf=args.zipf, output_mean=args.output_mean, scenario=args.scenario,
-        system_prompt_words=args.system_prompt_words, user_words_mean=args.user_words,
+        adapters=args.adapters,
+        tenants=args.tenants,
+        requests=args.requests,
+        zipf=args.zipf,
+        output_mean=args.output_mean,
+        scenario=args.scenario,
+        system_prompt_words=args.system_prompt_words,
+        user_words_mean=args.user_words,
         base_share=args.base_share,
-    )  # fmt: skip
+    )
 
 
 def _positive(text: str) -> int:

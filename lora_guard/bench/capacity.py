@@ -36,9 +36,13 @@ def measure_capacity(prompts: list[tuple[str, int]], options: EngineOptions) -> 
     from lora_guard.engine import LLM, SamplingParams
 
     llm = LLM(
-        options.model, policies="lru", kv_cache_memory=options.kv_cache_memory,
-        max_num_seqs=options.max_num_seqs, dtype=options.dtype, device=options.device,
-    )  # fmt: skip
+        options.model,
+        policies="lru",
+        kv_cache_memory=options.kv_cache_memory,
+        max_num_seqs=options.max_num_seqs,
+        dtype=options.dtype,
+        device=options.device,
+    )
     llm.generate(prompts[0][0], SamplingParams(max_new_tokens=4, ignore_eos=True))
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in prompts]
     started = time.perf_counter()

@@ -29,6 +29,7 @@ class Target:
     from_capacity: bool = False  # a speed: judged from capacity runs only, never a makespan
 
 
+# one row a line, as a table reads (fmt: skip)
 TARGETS = (
     Target("tail tok/s vs static", "tail_tokens_per_s", "static", "tail_tokens_per_s", ">=", 0.9),
     Target("TTFT p95 vs static", "ttft_p95_ms", "static", "ttft_p95_ms", "<=", 2.0),
@@ -66,8 +67,11 @@ def compass(per_seed: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[str
             "met": None,
         }
         if target.needs is not None:
-            telling = [v for one, v in zip(runs, values, strict=True)
-                       if (one[SUBJECT].get(target.needs) or 0) > 0]  # fmt: skip
+            telling = [
+                v
+                for one, v in zip(runs, values, strict=True)
+                if (one[SUBJECT].get(target.needs) or 0) > 0
+            ]
             if not telling:
                 figure["note"] = NOT_EXERCISED
             else:
@@ -102,6 +106,8 @@ def compass_lines(found: dict[str, dict[str, Any]], seeds: int, turns: int = 1) 
         low, high = figure["spread"]
         spread = f" ({low:.3g}-{high:.3g}, {runs})" if seeds * turns > 1 else ""
         verdict = {True: "met", False: "missed", None: figure.get("note", "reported")}
-        lines.append(f"{SUBJECT} {name}: {figure['value']:.3g}{spread}, target {figure['target']}: "
-                     f"{verdict[figure['met']]}")  # fmt: skip
+        lines.append(
+            f"{SUBJECT} {name}: {figure['value']:.3g}{spread}, target {figure['target']}: "
+            f"{verdict[figure['met']]}"
+        )
     return lines

@@ -89,10 +89,12 @@ def _sync(device: torch.device) -> None:
 def _prompts(tokenizer: Any, batch: int) -> list[list[int]]:
     # About 32 tokens each, different per request so no prefix is shared.
     return [
-        tokenizer.encode(f"Request {i}: please write a short story about the number {i}, a ship, "
-                         f"a lighthouse keeper and the sea at night, in plain words.")
+        tokenizer.encode(
+            f"Request {i}: please write a short story about the number {i}, a ship, "
+            f"a lighthouse keeper and the sea at night, in plain words."
+        )
         for i in range(batch)
-    ]  # fmt: skip
+    ]
 
 
 def engine_run(
@@ -121,8 +123,10 @@ def engine_run(
             prefill += elapsed
     total = time.perf_counter() - started
     if not decode_steps:
-        raise SystemExit(f"no step decoded all {len(prompts)} requests at once: "
-                         f"raise --new-tokens (now {new_tokens})")  # fmt: skip
+        raise SystemExit(
+            f"no step decoded all {len(prompts)} requests at once: "
+            f"raise --new-tokens (now {new_tokens})"
+        )
     return statistics.median(decode_steps) * 1000, len(prompts) * new_tokens / total, prefill * 1000
 
 
@@ -139,9 +143,14 @@ def peft_run(
         started = time.perf_counter()
         with torch.no_grad():
             model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                do_sample=False, adapter_names=adapters, pad_token_id=pad_id,
-            )  # fmt: skip
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                adapter_names=adapters,
+                pad_token_id=pad_id,
+            )
         return time.perf_counter() - started
 
     generate(2)  # warm-up: kernels made for these shapes on first use are not a step's cost
@@ -161,10 +170,18 @@ def main(argv: list[str] | None = None) -> int:
     # picks by the machine: one run's figures comparable with the next's) and with prefix caching
     # off (PEFT computes every prompt; --prefix-caching lets the engine reuse what it saw before).
     add_engine_flags(
-        parser, ["model", "dtype", "lora_dtype", "lora_compute", "weight_layout", "device",
-                 "enable_prefix_caching"],
+        parser,
+        [
+            "model",
+            "dtype",
+            "lora_dtype",
+            "lora_compute",
+            "weight_layout",
+            "device",
+            "enable_prefix_caching",
+        ],
         defaults={"dtype": "float32", "device": "cpu", "enable_prefix_caching": False},
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--adapter-dir",
         type=Path,
@@ -172,13 +189,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--adapters", type=int, default=8, help="adapters mixed in a batch")
-    parser.add_argument("--adapter-ids", help="the adapters mixed in a batch, by id, comma "
-                        "separated (default: the first --adapters of the folder)")  # fmt: skip
+    parser.add_argument(
+        "--adapter-ids",
+        help="the adapters mixed in a batch, by id, comma "
+        "separated (default: the first --adapters of the folder)",
+    )
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--skip-peft", action="store_true", help="engine figures only")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="runs of each batch, the engine and PEFT in turn; medians printed, "
-                        "and the ratios' ranges")  # fmt: skip
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each batch, the engine and PEFT in turn; medians printed, "
+        "and the ratios' ranges",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     # torch and PEFT are handed them by name: auto's, too.
@@ -195,8 +219,14 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="lora-guard-bench-") as scratch:
         args.adapter_dir = Path(scratch)
-        make_adapters(args.model, args.adapter_dir, n=args.adapters, ranks=(8, 16, 32),
-                      prefix="bench", all_projections=True)  # fmt: skip
+        make_adapters(
+            args.model,
+            args.adapter_dir,
+            n=args.adapters,
+            ranks=(8, 16, 32),
+            prefix="bench",
+            all_projections=True,
+        )
         return _bench(args)
 
 
@@ -209,8 +239,10 @@ def _bench(args: argparse.Namespace) -> int:
         names = [n.strip() for n in args.adapter_ids.split(",") if n.strip()]
         missing = [n for n in names if n not in served]
         if missing or not names:
-            print(f"error: no adapter {missing[0] if missing else ''!r} in {args.adapter_dir}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"error: no adapter {missing[0] if missing else ''!r} in {args.adapter_dir}",
+                file=sys.stderr,
+            )
             return 2
     batches = [int(b) for b in args.batches.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -228,15 +260,33 @@ def _bench(args: argparse.Namespace) -> int:
     peak = matmul_peak_gflops(getattr(torch, args.dtype), device)
     _print(rows, peak, args, names)
     if args.json:
-        args.json.write_text(json.dumps({
-            "device": str(device), "dtype": args.dtype, "lora_dtype": args.lora_dtype,
-            "weight_layout": args.weight_layout,
-            "lora_compute": args.lora_compute, "matmul_peak_gflops": peak,
-            "adapters": names, "new_tokens": args.new_tokens, "repeats": args.repeats,
-            "prefix_caching": args.prefix_caching,
-            "rows": [asdict(r) | {"mixed_over_base": r.mixed_over_base, "over_floor": r.over_floor,
-                                  "speedup_over_peft": r.speedup_over_peft} for r in rows],
-        }, indent=2) + "\n")  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": str(device),
+                    "dtype": args.dtype,
+                    "lora_dtype": args.lora_dtype,
+                    "weight_layout": args.weight_layout,
+                    "lora_compute": args.lora_compute,
+                    "matmul_peak_gflops": peak,
+                    "adapters": names,
+                    "new_tokens": args.new_tokens,
+                    "repeats": args.repeats,
+                    "prefix_caching": args.prefix_caching,
+                    "rows": [
+                        asdict(r)
+                        | {
+                            "mixed_over_base": r.mixed_over_base,
+                            "over_floor": r.over_floor,
+                            "speedup_over_peft": r.speedup_over_peft,
+                        }
+                        for r in rows
+                    ],
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return 0
 
 
@@ -245,11 +295,19 @@ def _engine_figures(
 ) -> dict[int, tuple[float, float, float, float, float]]:
     """Per batch: the bytes floor, the engine's base and mixed step ms, its mixed tokens/s and
     prefill ms."""
-    llm = LLM(args.model, adapters={n: args.adapter_dir / n for n in names},
-              max_loras=len(names), cache_memory="1GiB", dtype=args.dtype, device=args.device,
-              max_num_seqs=max(batches), lora_compute=args.lora_compute,
-              weight_layout=args.weight_layout, lora_dtype=args.lora_dtype,
-              enable_prefix_caching=args.prefix_caching)  # fmt: skip
+    llm = LLM(
+        args.model,
+        adapters={n: args.adapter_dir / n for n in names},
+        max_loras=len(names),
+        cache_memory="1GiB",
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=max(batches),
+        lora_compute=args.lora_compute,
+        weight_layout=args.weight_layout,
+        lora_dtype=args.lora_dtype,
+        enable_prefix_caching=args.prefix_caching,
+    )
     engine = llm.engine
     base_bytes = engine.step_bytes()
     adapter_bytes = {
@@ -309,40 +367,55 @@ def _median_row(runs: list[Row]) -> Row:
     """Each figure the median of its runs; the two ratios the medians of each run's ratio,
     with their ranges."""
     ratios = ("over_floor_runs", "speedup_runs")
-    median = Row(**{f.name: statistics.median(getattr(r, f.name) for r in runs)
-                    for f in fields(Row) if f.name not in ratios})  # fmt: skip
+    median = Row(
+        **{
+            f.name: statistics.median(getattr(r, f.name) for r in runs)
+            for f in fields(Row)
+            if f.name not in ratios
+        }
+    )
     median.over_floor_runs = tuple(r.over_floor for r in runs)
     median.speedup_runs = tuple(r.speedup_over_peft for r in runs)
     return median
 
 
 def _print(rows: list[Row], peak: float, args: argparse.Namespace, names: list[str]) -> None:
-    print(f"device {args.device}, {args.dtype} (adapter pages {args.lora_dtype}), weight layout "
-          f"{args.weight_layout}, LoRA compute "
-          f"{args.lora_compute}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; matmul peak {peak:.0f} GFLOP/s")  # fmt: skip
+    print(
+        f"device {args.device}, {args.dtype} (adapter pages {args.lora_dtype}), weight layout "
+        f"{args.weight_layout}, LoRA compute "
+        f"{args.lora_compute}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; matmul peak {peak:.0f} GFLOP/s"
+    )
     caching = "on (prompts seen before are cached)" if args.prefix_caching else "off"
-    print(f"mixed batches cycle over {len(names)} adapters: {', '.join(names)}; "
-          f"{args.new_tokens} new tokens per request; the engine's prefix caching "
-          f"{caching}\n")  # fmt: skip
-    print("| batch | engine base step ms | engine mixed step ms | mixed / base | bytes floor "
-          "| mixed / floor | PEFT base step ms | PEFT mixed step ms | engine mixed tok/s "
-          "| PEFT mixed tok/s | engine / PEFT tok/s | engine prefill ms "
-          "| PEFT prefill ms |")  # fmt: skip
+    print(
+        f"mixed batches cycle over {len(names)} adapters: {', '.join(names)}; "
+        f"{args.new_tokens} new tokens per request; the engine's prefix caching "
+        f"{caching}\n"
+    )
+    print(
+        "| batch | engine base step ms | engine mixed step ms | mixed / base | bytes floor "
+        "| mixed / floor | PEFT base step ms | PEFT mixed step ms | engine mixed tok/s "
+        "| PEFT mixed tok/s | engine / PEFT tok/s | engine prefill ms "
+        "| PEFT prefill ms |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r.batch} | {r.engine_base_step_ms:.1f} | {r.engine_mixed_step_ms:.1f} "
-              f"| {r.mixed_over_base:.2f}x | {r.bytes_floor:.2f}x | {r.over_floor:.2f}x "
-              f"| {r.peft_base_step_ms:.1f} "
-              f"| {r.peft_mixed_step_ms:.1f} "
-              f"| {r.engine_mixed_tokens_per_s:.1f} | {r.peft_mixed_tokens_per_s:.1f} "
-              f"| {r.speedup_over_peft:.2f}x | {r.engine_mixed_prefill_ms:.0f} "
-              f"| {r.peft_mixed_prefill_ms:.0f} |")  # fmt: skip
+        print(
+            f"| {r.batch} | {r.engine_base_step_ms:.1f} | {r.engine_mixed_step_ms:.1f} "
+            f"| {r.mixed_over_base:.2f}x | {r.bytes_floor:.2f}x | {r.over_floor:.2f}x "
+            f"| {r.peft_base_step_ms:.1f} "
+            f"| {r.peft_mixed_step_ms:.1f} "
+            f"| {r.engine_mixed_tokens_per_s:.1f} | {r.peft_mixed_tokens_per_s:.1f} "
+            f"| {r.speedup_over_peft:.2f}x | {r.engine_mixed_prefill_ms:.0f} "
+            f"| {r.peft_mixed_prefill_ms:.0f} |"
+        )
     if args.repeats > 1:
         print(f"\nmedians of {args.repeats} runs; each run's ratios:")
         for r in rows:
-            print(f"batch {r.batch}: mixed / floor {_ratios(r.over_floor_runs)}; engine / PEFT "
-                  f"tok/s {_ratios(r.speedup_runs)}")  # fmt: skip
+            print(
+                f"batch {r.batch}: mixed / floor {_ratios(r.over_floor_runs)}; engine / PEFT "
+                f"tok/s {_ratios(r.speedup_runs)}"
+            )
 
 
 def _ratios(values: tuple[float, ...]) -> str:

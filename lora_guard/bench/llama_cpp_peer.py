@@ -51,8 +51,19 @@ def converters(python: Path) -> Path:
     # Llama converter imports sentencepiece before it looks for a tokenizer.json.
     _run([*pip, "install", "setuptools-scm", "wheel", "sentencepiece"])
     with tempfile.TemporaryDirectory() as scratch:
-        _run([*pip, "download", "--no-deps", "--no-binary", ":all:",
-              "--no-build-isolation", package, "-d", scratch])  # fmt: skip
+        _run(
+            [
+                *pip,
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "--no-build-isolation",
+                package,
+                "-d",
+                scratch,
+            ]
+        )
         archive = next(Path(scratch).glob("*.tar.gz"))
         with tarfile.open(archive) as tar:
             for member in tar.getmembers():
@@ -64,9 +75,13 @@ def converters(python: Path) -> Path:
 
 
 def gguf_files(
-    python: Path, model: Path, adapter_dir: Path, adapters: list[str], dtype: str,
+    python: Path,
+    model: Path,
+    adapter_dir: Path,
+    adapters: list[str],
+    dtype: str,
     log: Callable[[str], None],
-) -> tuple[Path, list[Path]]:  # fmt: skip
+) -> tuple[Path, list[Path]]:
     """The model and each adapter as GGUF in ``dtype`` (float32 or bfloat16), converted once and
     kept under the peer's folder by the checkpoint's content."""
     outtype = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(dtype)
@@ -81,32 +96,70 @@ def gguf_files(
         log(f"converting {model.name} to GGUF ({outtype})")
         with tempfile.TemporaryDirectory() as scratch:
             view = _byte_level_view(model, Path(scratch))
-            _run([str(python), str(source / "convert_hf_to_gguf.py"), str(view), "--outfile",
-                  str(base), "--outtype", outtype], env)  # fmt: skip
+            _run(
+                [
+                    str(python),
+                    str(source / "convert_hf_to_gguf.py"),
+                    str(view),
+                    "--outfile",
+                    str(base),
+                    "--outtype",
+                    outtype,
+                ],
+                env,
+            )
     files = []
     for name in adapters:
         out = folder / f"{name}.gguf"
         if not out.exists():
             log(f"converting adapter {name} to GGUF")
-            _run([str(python), str(source / "convert_lora_to_gguf.py"), str(adapter_dir / name),
-                  "--base", str(model), "--outfile", str(out), "--outtype", outtype],
-                 env)  # fmt: skip
+            _run(
+                [
+                    str(python),
+                    str(source / "convert_lora_to_gguf.py"),
+                    str(adapter_dir / name),
+                    "--base",
+                    str(model),
+                    "--outfile",
+                    str(out),
+                    "--outtype",
+                    outtype,
+                ],
+                env,
+            )
         files.append(out)
     return base, files
 
 
 def llama_cpp_launch(
-    server: Path, model: Path, adapters: list[Path], port: int, parallel: int,
-    cores: set[int] | None = None, bos: bool = False,
-) -> ServerLaunch:  # fmt: skip
+    server: Path,
+    model: Path,
+    adapters: list[Path],
+    port: int,
+    parallel: int,
+    cores: set[int] | None = None,
+    bos: bool = False,
+) -> ServerLaunch:
     """``llama-server`` on ``port`` with ``parallel`` slots, computing on every core this process
     may use (as the engine does); ``bos``: prompts start with BOS, as the checkpoint's do."""
     threads = len(cores if cores is not None else os.sched_getaffinity(0))
     command = [
-        str(server), "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-        "--parallel", str(parallel), "--ctx-size", str(parallel * SLOT_TOKENS),
-        "--threads", str(threads), "--threads-batch", str(threads),
-    ]  # fmt: skip
+        str(server),
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--parallel",
+        str(parallel),
+        "--ctx-size",
+        str(parallel * SLOT_TOKENS),
+        "--threads",
+        str(threads),
+        "--threads-batch",
+        str(threads),
+    ]
     if adapters:
         command += ["--lora", ",".join(map(str, adapters)), "--lora-init-without-apply"]
     if bos:
@@ -135,8 +188,12 @@ def _byte_level_view(model: Path, scratch: Path) -> Path:
     tokenizer = json.loads((model / "tokenizer.json").read_text())
     if (tokenizer.get("pre_tokenizer") or {}).get("type") == "ByteLevel":
         tokenizer["model"]["byte_fallback"] = False
-        tokenizer["decoder"] = {"type": "ByteLevel", "add_prefix_space": True,
-                                "trim_offsets": True, "use_regex": True}  # fmt: skip
+        tokenizer["decoder"] = {
+            "type": "ByteLevel",
+            "add_prefix_space": True,
+            "trim_offsets": True,
+            "use_regex": True,
+        }
         (view / "tokenizer.json").unlink()
         (view / "tokenizer.json").write_text(json.dumps(tokenizer))
         if (view / "tokenizer_config.json").exists():

@@ -52,8 +52,9 @@ class Reply:
 def closed_loop(url: str, trace: list[TraceRequest], clients: int, body: Body) -> list[Reply]:
     """``clients`` clients, each sending the trace's next request as soon as its last one ended."""
     start = time.monotonic()
-    return testing.closed_loop(url, trace, lambda http, r: _send(http, r, body, start), clients,
-                               timeout_s=_TIMEOUT_S)  # fmt: skip
+    return testing.closed_loop(
+        url, trace, lambda http, r: _send(http, r, body, start), clients, timeout_s=_TIMEOUT_S
+    )
 
 
 def open_loop(url: str, trace: list[TraceRequest], body: Body) -> list[Reply]:
@@ -93,10 +94,14 @@ def busy_throughput(replies: list[Reply], clients: int) -> tuple[float, float]:
 def _send(http: httpx.Client, request: TraceRequest, body: Body, start: float) -> Reply:
     reply = Reply(request.id, time.monotonic() - start)
     payload = {
-        "prompt": request.prompt, "max_tokens": request.max_new_tokens, "temperature": 0,
-        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        "prompt": request.prompt,
+        "max_tokens": request.max_new_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
         **body(request),
-    }  # fmt: skip
+    }
     for attempt in range(_STALE_RETRIES + 1):
         try:
             with http.stream("POST", "/v1/completions", json=payload) as answer:

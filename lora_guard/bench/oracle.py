@@ -28,17 +28,25 @@ def oracle_tokens(
     """Greedy tokens per request key: in one batch, or (``solo``) one request at a time."""
     adapters = {r.adapter_id for r in requests if r.adapter_id is not None}
     llm = LLM(
-        options.model, adapter_dir=options.adapter_dir, policies="lru",
-        max_loras=max(1, len(adapters)), max_cpu_loras=max(1, len(adapters)),
-        max_lora_rank=options.max_lora_rank, kv_cache_memory=options.kv_cache_memory,
-        max_num_seqs=options.max_num_seqs, enable_prefix_caching=False,
-        dtype=options.dtype, lora_dtype=options.lora_dtype, device=options.device,
-    )  # fmt: skip
+        options.model,
+        adapter_dir=options.adapter_dir,
+        policies="lru",
+        max_loras=max(1, len(adapters)),
+        max_cpu_loras=max(1, len(adapters)),
+        max_lora_rank=options.max_lora_rank,
+        kv_cache_memory=options.kv_cache_memory,
+        max_num_seqs=options.max_num_seqs,
+        enable_prefix_caching=False,
+        dtype=options.dtype,
+        lora_dtype=options.lora_dtype,
+        device=options.device,
+    )
     # A request the engine cannot take (too long) failed in every scheme too: nothing to compare.
     limit = llm.engine.max_model_len
     requests = [r for r in requests if len(llm.engine.encode(r.prompt)) + r.max_new_tokens <= limit]
-    params = [SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=r.ignore_eos)
-              for r in requests]  # fmt: skip
+    params = [
+        SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=r.ignore_eos) for r in requests
+    ]
     prompts = [r.prompt for r in requests]
     ids = [r.adapter_id for r in requests]
     if solo:

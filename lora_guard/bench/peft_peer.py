@@ -72,8 +72,11 @@ def replay_peft(trace: list[TraceRequest], options: EngineOptions) -> SchemeRun:
         batch = [r for r in queue if r.time <= now][:MAX_BATCH]
         queue = [r for r in queue if r not in batch]
         # Every adapter was loaded before the replay; a request finds its own or fails to run.
-        binds += [Bind(now, r.adapter_id, r.adapter_id in loaded, 0.0)
-                  for r in batch if r.adapter_id is not None]  # fmt: skip
+        binds += [
+            Bind(now, r.adapter_id, r.adapter_id in loaded, 0.0)
+            for r in batch
+            if r.adapter_id is not None
+        ]
         prompts = [encode_text(tokenizer, r.prompt) for r in batch]
         width = max(len(p) for p in prompts)
         new = max(r.max_new_tokens for r in batch)
@@ -83,10 +86,16 @@ def replay_peft(trace: list[TraceRequest], options: EngineOptions) -> SchemeRun:
         clock = _FirstToken()
         with torch.no_grad():
             out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                do_sample=False, eos_token_id=None, pad_token_id=pad, streamer=clock,
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=pad,
+                streamer=clock,
                 adapter_names=[r.adapter_id or _BASE for r in batch],
-            )  # fmt: skip
+            )
         done = time.monotonic() - start
         first = (clock.first - start) if clock.first is not None else done
         for i, request in enumerate(batch):

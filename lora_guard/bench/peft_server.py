@@ -106,10 +106,16 @@ class PeftWorker:
         new = max(a.max_tokens for a in batch)
         with torch.no_grad():
             self.model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                do_sample=False, eos_token_id=None, pad_token_id=self.pad,
-                streamer=_Streamer(batch), adapter_names=[a.adapter or _BASE for a in batch],
-            )  # fmt: skip
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=self.pad,
+                streamer=_Streamer(batch),
+                adapter_names=[a.adapter or _BASE for a in batch],
+            )
 
 
 def build_app(worker: PeftWorker) -> Any:
@@ -131,9 +137,11 @@ def build_app(worker: PeftWorker) -> Any:
         if not isinstance(prompt, str):
             return JSONResponse({"error": {"message": "`prompt` must be one string"}}, 400)
         ask = _Ask(
-            encode_text(worker.tokenizer, prompt), None if model == BASE_NAME else model,
-            int(body.get("max_tokens") or 16), asyncio.get_running_loop(),
-        )  # fmt: skip
+            encode_text(worker.tokenizer, prompt),
+            None if model == BASE_NAME else model,
+            int(body.get("max_tokens") or 16),
+            asyncio.get_running_loop(),
+        )
         worker.waiting.put(ask)
         if body.get("stream"):
             return StreamingResponse(_chunks(ask, model, worker), media_type="text/event-stream")
@@ -141,11 +149,13 @@ def build_app(worker: PeftWorker) -> Any:
         if ask.error is not None:
             return JSONResponse({"error": {"message": ask.error}}, 500)
         return {
-            "object": "text_completion", "model": model,
-            "choices": [{"index": 0, "text": worker.tokenizer.decode(tokens),
-                         "finish_reason": "length"}],
+            "object": "text_completion",
+            "model": model,
+            "choices": [
+                {"index": 0, "text": worker.tokenizer.decode(tokens), "finish_reason": "length"}
+            ],
             "usage": _usage(ask, len(tokens)),
-        }  # fmt: skip
+        }
 
     return app
 

@@ -33,8 +33,14 @@ def write_plots(
         ax.bar(names, values, color=[colour(n) for n in names])
         if key == "hit_rate":
             bound = [schemes[n]["hit_rate_bound"] or 0.0 for n in names]
-            ax.scatter(names, bound, marker="_", s=400, color="black",
-                       label="bound: Belady on its own binds")  # fmt: skip
+            ax.scatter(
+                names,
+                bound,
+                marker="_",
+                s=400,
+                color="black",
+                label="bound: Belady on its own binds",
+            )
             ax.legend(fontsize=8)
         ax.set_title(title)
         ax.tick_params(axis="x", labelrotation=35, labelsize=8)
@@ -104,10 +110,15 @@ def _rolling_hit_rate(
 
 def colour(name: str) -> str:
     return {
-        "static": "#7f7f7f", "on-demand": "#d62728", "lru": "#ff7f0e", "lora-guard": "#2ca02c",
-        "lora-guard-observe": "#9467bd", "peft": "#1f77b4", "vllm": "#8c564b",
+        "static": "#7f7f7f",
+        "on-demand": "#d62728",
+        "lru": "#ff7f0e",
+        "lora-guard": "#2ca02c",
+        "lora-guard-observe": "#9467bd",
+        "peft": "#1f77b4",
+        "vllm": "#8c564b",
         "llama.cpp": "#e377c2",
-    }.get(name, "#17becf")  # fmt: skip
+    }.get(name, "#17becf")
 
 
 def save(fig: Any, path: Path) -> Path:

@@ -100,8 +100,9 @@ def scheme_llm(scheme: str, options: EngineOptions, static_adapter: str | None) 
     )
     guard = {"cold_loads_per_minute": options.cold_loads_per_minute}
     if scheme == "static":
-        return LLM(options.model, **common, policies="static",
-                   settings={"static_adapter": static_adapter})  # fmt: skip
+        return LLM(
+            options.model, **common, policies="static", settings={"static_adapter": static_adapter}
+        )
     if scheme == "on-demand":
         # The naive scheme: one adapter merged at a time, read from disk at each switch.
         return LLM(options.model, **common, policies="on-demand", max_loras=1, max_cpu_loras=1)
@@ -110,8 +111,12 @@ def scheme_llm(scheme: str, options: EngineOptions, static_adapter: str | None) 
     if scheme == "lora-guard":
         return LLM(options.model, **common, max_loras=options.max_loras, settings=guard)
     if scheme == "lora-guard-observe":
-        return LLM(options.model, **common, max_loras=options.max_loras,
-                   settings={**guard, "kv_namespace_mode": "observe"})  # fmt: skip
+        return LLM(
+            options.model,
+            **common,
+            max_loras=options.max_loras,
+            settings={**guard, "kv_namespace_mode": "observe"},
+        )
     raise ValueError(f"unknown engine scheme {scheme!r}")
 
 
@@ -221,8 +226,9 @@ def _replay(
             attempt = f"{trace_id}#{record.retries}"
             params = SamplingParams(max_new_tokens=request.max_new_tokens, ignore_eos=True)
             try:
-                engine.add_request(attempt, request.prompt, params, request.adapter_id,
-                                   tenant_id=request.tenant)  # fmt: skip
+                engine.add_request(
+                    attempt, request.prompt, params, request.adapter_id, tenant_id=request.tenant
+                )
             except RequestError as exc:
                 record.error, record.finish = str(exc), now
                 open_requests -= 1
@@ -274,8 +280,11 @@ class MemoryWatch:
         self.merge_copies = max(self.merge_copies, self.engine.memory().merge_copies)
 
     def peak(self) -> dict[str, int]:
-        parts = {**self.fixed, "merge_copies": self.merge_copies,
-                 "merge_transient": self.merge_delta}  # fmt: skip
+        parts = {
+            **self.fixed,
+            "merge_copies": self.merge_copies,
+            "merge_transient": self.merge_delta,
+        }
         return {**parts, "total": sum(parts.values())}
 
 

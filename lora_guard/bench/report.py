@@ -36,8 +36,11 @@ def hit_rates(run: SchemeRun) -> dict[str, float | None]:
     miss can pass it)."""
     if not run.binds:
         hits = sum(hit for _, hit in run.lookups)
-        return {"hit_rate": hits / len(run.lookups) if run.lookups else None,
-                "hit_rate_bound": None, "hit_rate_belady": None}  # fmt: skip
+        return {
+            "hit_rate": hits / len(run.lookups) if run.lookups else None,
+            "hit_rate_bound": None,
+            "hit_rate_belady": None,
+        }
     needs = [b.adapter_id for b in run.binds]
     return {
         "hit_rate": sum(b.hit for b in run.binds) / len(needs),
@@ -127,8 +130,12 @@ def step_summary(run: SchemeRun) -> dict[str, Any] | None:
         "mean_requests": sum(s.seqs for s in run.steps) / len(run.steps),
         "mean_adapters": sum(s.adapters for s in run.steps) / len(run.steps),
     }
-    names = ("fit_fixed_ms", "fit_per_request_ms", "fit_per_adapter_mib_ms",
-             "fit_per_prefill_token_ms")  # fmt: skip
+    names = (
+        "fit_fixed_ms",
+        "fit_per_request_ms",
+        "fit_per_adapter_mib_ms",
+        "fit_per_prefill_token_ms",
+    )
     try:
         coefficients: tuple[float | None, ...] = fit_steps(run.steps).coefficients
     except ValueError:
@@ -137,8 +144,19 @@ def step_summary(run: SchemeRun) -> dict[str, Any] | None:
 
 
 # Counts add up over seeds; every other figure is the median of the seeds' figures.
-_SUMMED = frozenset({"requests", "completed", "failed", "retries", "swaps", "evictions",
-                     "generated_tokens", "kv_conflicts", "oracle_mismatches"})  # fmt: skip
+_SUMMED = frozenset(
+    {
+        "requests",
+        "completed",
+        "failed",
+        "retries",
+        "swaps",
+        "evictions",
+        "generated_tokens",
+        "kv_conflicts",
+        "oracle_mismatches",
+    }
+)
 
 
 def aggregate(per_seed: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -156,8 +174,9 @@ def aggregate(per_seed: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[s
                 seeds = [seed for value in values for seed in value or ()]
                 summary[key] = seeds or None
             elif isinstance(first, dict):
-                summary[key] = {k: _combine(k in _SUMMED, [(v or {}).get(k) for v in values])
-                                for k in first}  # fmt: skip
+                summary[key] = {
+                    k: _combine(k in _SUMMED, [(v or {}).get(k) for v in values]) for k in first
+                }
             else:
                 summary[key] = _combine(key in _SUMMED, values)
                 numbers = [v for v in values if isinstance(v, int | float)]

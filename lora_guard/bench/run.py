@@ -72,15 +72,20 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     unknown = [s for s in schemes if s not in SCHEMES]
     if unknown or not schemes:
-        print(f"error: unknown scheme {unknown[0] if unknown else ''!r}; choose from "
-              f"{', '.join(SCHEMES)}", file=sys.stderr)  # fmt: skip
+        print(
+            f"error: unknown scheme {unknown[0] if unknown else ''!r}; choose from "
+            f"{', '.join(SCHEMES)}",
+            file=sys.stderr,
+        )
         return 2
     if not args.load > 0:
         print(f"error: --load must be positive, got {args.load}", file=sys.stderr)
         return 2
     if args.target and args.turns > 1:
-        print("error: --turns replays the schemes run here; a --target run is one scheme",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "error: --turns replays the schemes run here; a --target run is one scheme",
+            file=sys.stderr,
+        )
         return 2
     with tempfile.TemporaryDirectory(prefix="lora-guard-bench-") as scratch:
         try:
@@ -98,8 +103,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     seeds = list(dict.fromkeys(part.seed for part in bench.parts))
     turns = len(per_seed) // len(seeds)
     if len(per_seed) > 1:
-        runs = ", ".join(f"{part.seed}" + (f"/{part.turn}" if turns > 1 else "")
-                         for part in bench.parts)  # fmt: skip
+        runs = ", ".join(
+            f"{part.seed}" + (f"/{part.turn}" if turns > 1 else "") for part in bench.parts
+        )
         what = "seed/turn" if turns > 1 else "seeds"
         print(f"\nmedians over {len(per_seed)} runs ({what} {runs}); the JSON has each spread")
     print("\n" + "\n".join(compass_lines(targets, len(seeds), turns)))
@@ -195,12 +201,15 @@ def _in_process(
     model, adapter_dir, spec = _model_and_spec(args, scratch)
     ids = adapter_ids(adapter_dir)
     options = EngineOptions(
-        model=str(model), adapter_dir=str(adapter_dir),
+        model=str(model),
+        adapter_dir=str(adapter_dir),
         max_loras=args.max_loras if not args.quick else 4,
         max_lora_rank=args.max_lora_rank,
         kv_cache_memory=args.kv_cache_memory if not args.quick else "16MiB",
-        dtype=args.dtype, lora_dtype=args.lora_dtype, device=args.device,
-    )  # fmt: skip
+        dtype=args.dtype,
+        lora_dtype=args.lora_dtype,
+        device=args.device,
+    )
     # --quick runs everything here: process start-up would outweigh the tiny model's work.
     isolated = not args.quick
     capacity = None
@@ -208,9 +217,12 @@ def _in_process(
         _progress(started, f"measuring capacity: {CAPACITY_BATCH} base-model requests at once")
         capacity = _call(isolated, measure_capacity, capacity_prompts(spec, ids), options)
         spec = replace(spec, rate=arrival_rate(spec, args.load, capacity))
-        _progress(started, f"capacity {capacity.requests_per_s:.3g} requests/s "
-                           f"({capacity.tokens_per_s:.0f} tokens/s); load {args.load}: "
-                           f"{spec.rate:.3g} arrivals/s outside bursts")  # fmt: skip
+        _progress(
+            started,
+            f"capacity {capacity.requests_per_s:.3g} requests/s "
+            f"({capacity.tokens_per_s:.0f} tokens/s); load {args.load}: "
+            f"{spec.rate:.3g} arrivals/s outside bursts",
+        )
     elif args.rate is not None:
         spec = replace(spec, rate=args.rate)
     parts: list[SeedRun] = []
@@ -227,8 +239,7 @@ def _in_process(
         static_id = popular[0][0] if popular else ids[0]
         what = "" if seed is None else f"seed {seed}: "
         seats = f"{options.max_loras} seats" if options.max_loras else "no seat cap"
-        _progress(started, f"{what}{_describe(trace)}; {seats}; static serves "
-                           f"{static_id}")  # fmt: skip
+        _progress(started, f"{what}{_describe(trace)}; {seats}; static serves {static_id}")
         turns: list[SeedRun] = []
         for turn in range(args.turns):
             # the peer takes its turn in the rotation like every scheme
@@ -240,8 +251,9 @@ def _in_process(
                 if scheme == "peft":
                     runs[scheme] = _call(isolated, replay_peft, trace, seed_options)
                 elif scheme == "vllm":
-                    runs[scheme] = replay_vllm(trace, seed_options, peers["vllm"],
-                                               args.peer_port, scratch / "vllm.log")  # fmt: skip
+                    runs[scheme] = replay_vllm(
+                        trace, seed_options, peers["vllm"], args.peer_port, scratch / "vllm.log"
+                    )
                 else:
                     runs[scheme] = _call(
                         isolated, replay_scheme, scheme, trace, seed_options, static_id
@@ -249,15 +261,18 @@ def _in_process(
             runs = {name: runs[name] for name in [*schemes, *peers]}
             turns.append(SeedRun(seed, trace, runs, {}, turn, order))
         _progress(started, f"{what}computing the oracle")
-        mismatches = _oracle_mismatches([t.runs for t in turns], trace, seed_options, static_id,
-                                        isolated)  # fmt: skip
+        mismatches = _oracle_mismatches(
+            [t.runs for t in turns], trace, seed_options, static_id, isolated
+        )
         for one, found in zip(turns, mismatches, strict=True):
             one.mismatches = found
         parts.extend(turns)
         # Folder names, not paths: the report is meant to be shared.
-        engine = asdict(seed_options) | {"model": Path(options.model).name,
-                                         "adapter_dir": Path(options.adapter_dir).name,
-                                         "static_adapter": static_id}  # fmt: skip
+        engine = asdict(seed_options) | {
+            "model": Path(options.model).name,
+            "adapter_dir": Path(options.adapter_dir).name,
+            "static_adapter": static_id,
+        }
     _progress(started, "done")
     return Bench(parts, engine, spec.rate, capacity)
 
@@ -279,11 +294,18 @@ def _against_target(args: argparse.Namespace, started: float) -> Bench:
         mismatches: dict[str, int] = {}
         if args.model is not None:
             _progress(started, "computing the oracle")
-            options = EngineOptions(model=str(args.model), adapter_dir=str(args.adapter_dir),
-                                    kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
-                                    lora_dtype=args.lora_dtype, device=args.device)  # fmt: skip
-            wanted = [OracleRequest(r.id, r.prompt, r.adapter_id, r.max_new_tokens,
-                                    ignore_eos=False) for r in trace]  # fmt: skip
+            options = EngineOptions(
+                model=str(args.model),
+                adapter_dir=str(args.adapter_dir),
+                kv_cache_memory=args.kv_cache_memory,
+                dtype=args.dtype,
+                lora_dtype=args.lora_dtype,
+                device=args.device,
+            )
+            wanted = [
+                OracleRequest(r.id, r.prompt, r.adapter_id, r.max_new_tokens, ignore_eos=False)
+                for r in trace
+            ]
             oracle = _call(True, oracle_tokens, wanted, options)
             mismatches[run.scheme] = sum(
                 1
@@ -340,8 +362,9 @@ def _model_and_spec(args: argparse.Namespace, scratch: Path) -> tuple[Path, Path
 
         model = make_tiny_llama(scratch / "model", hidden_size=128, intermediate_size=256)
         adapters = scratch / "adapters"
-        make_adapters(model, adapters, n=QUICK_SPEC.adapters, ranks=(4, 8, 16), strength=0.5,
-                      prefix="quick")  # fmt: skip
+        make_adapters(
+            model, adapters, n=QUICK_SPEC.adapters, ranks=(4, 8, 16), strength=0.5, prefix="quick"
+        )
         return model, adapters, replace(QUICK_SPEC, scenario=args.scenario)
     if args.model is None:
         from lora_guard.demo.model import prepare_demo
@@ -384,8 +407,10 @@ def _oracle_mismatches(
     oracle = _call(isolated, oracle_tokens, list(requests.values()), options)
 
     def differing() -> list[dict[str, list[str]]]:
-        return [{name: _differing(run, oracle, static_id) for name, run in runs.items()}
-                for runs in turns]  # fmt: skip
+        return [
+            {name: _differing(run, oracle, static_id) for name, run in runs.items()}
+            for runs in turns
+        ]
 
     found = differing()
     doubtful = sorted({key for by_scheme in found for keys in by_scheme.values() for key in keys})

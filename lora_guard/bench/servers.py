@@ -31,16 +31,22 @@ class ServerLaunch:
     def as_json(self) -> dict[str, Any]:
         """The command and environment as a report shows them: under ``$LORA_GUARD_HOME``, paths
         are written from there (the report is meant to be shared)."""
-        return {"command": [shared(a) for a in self.command],
-                "environment": {k: shared(v) for k, v in self.environment.items()}}  # fmt: skip
+        return {
+            "command": [shared(a) for a in self.command],
+            "environment": {k: shared(v) for k, v in self.environment.items()},
+        }
 
 
 def shared(text: str) -> str:
     """``text`` with this machine's paths written as a reader would: ``$LORA_GUARD_HOME``, this
     interpreter as ``python``, the checkout as ``.``, the home folder as ``~``."""
     checkout = Path(__file__).resolve().parents[2]
-    for path, name in ((lora_guard_home(), "$LORA_GUARD_HOME"), (Path(sys.executable), "python"),
-                       (checkout, "."), (Path.home(), "~")):  # fmt: skip
+    for path, name in (
+        (lora_guard_home(), "$LORA_GUARD_HOME"),
+        (Path(sys.executable), "python"),
+        (checkout, "."),
+        (Path.home(), "~"),
+    ):
         text = text.replace(str(path), name)
     return text
 
@@ -48,9 +54,13 @@ def shared(text: str) -> str:
 def start_server(launch: ServerLaunch, log_file: Path) -> subprocess.Popen[bytes]:
     """The server started in its own process group, its output in ``log_file``."""
     with log_file.open("wb") as out:
-        return subprocess.Popen(launch.command, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **launch.environment},
-                                start_new_session=True)  # fmt: skip
+        return subprocess.Popen(
+            launch.command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **launch.environment},
+            start_new_session=True,
+        )
 
 
 def wait_ready(server: subprocess.Popen[bytes], url: str, log_file: Path) -> None:

@@ -73,14 +73,18 @@ def measure(replies: list[Reply], trace: list[TraceRequest], clients: int) -> Po
         tokens_per_s = sum(r.tokens for r in done) / busy if busy else 0.0
     mean_tokens = sum(r.tokens for r in done) / len(done) if done else 0.0
     return Point(
-        clients=clients, requests=len(trace), completed=len(done),
+        clients=clients,
+        requests=len(trace),
+        completed=len(done),
         short=sum(1 for r in done if r.tokens < asked[r.id]),
         retries=sum(r.retries for r in replies),
         tokens_per_s=tokens_per_s,
         requests_per_s=tokens_per_s / mean_tokens if mean_tokens else 0.0,
-        busy_s=busy, ttft_p50_ms=percentile(ttft, 50), ttft_p95_ms=percentile(ttft, 95),
+        busy_s=busy,
+        ttft_p50_ms=percentile(ttft, 50),
+        ttft_p95_ms=percentile(ttft, 95),
         e2e_p95_ms=percentile(e2e, 95),
-    )  # fmt: skip
+    )
 
 
 def knee(points: Sequence[Point]) -> Point:
@@ -131,10 +135,12 @@ def run_system(
             points.append(point)
             failed = [r.error for r in replies if r.error is not None]
             what = f"N={clients}" if clients else "matched load"
-            progress(f"{system.name} {what}: {point.tokens_per_s:.1f} tok/s, TTFT p50 "
-                     f"{_ms(point.ttft_p50_ms)} p95 {_ms(point.ttft_p95_ms)}, "
-                     f"{point.completed}/{point.requests} done "
-                     f"({time.monotonic() - started:.0f} s)")  # fmt: skip
+            progress(
+                f"{system.name} {what}: {point.tokens_per_s:.1f} tok/s, TTFT p50 "
+                f"{_ms(point.ttft_p50_ms)} p95 {_ms(point.ttft_p95_ms)}, "
+                f"{point.completed}/{point.requests} done "
+                f"({time.monotonic() - started:.0f} s)"
+            )
             if failed:
                 raise PeerError(f"{system.name}: {len(failed)} requests failed, e.g. {failed[0]}")
     finally:
@@ -160,8 +166,11 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
-        print(f"error: unknown system {unknown[0] if unknown else ''!r}; choose from "
-              f"{', '.join(SYSTEMS)}", file=sys.stderr)  # fmt: skip
+        print(
+            f"error: unknown system {unknown[0] if unknown else ''!r}; choose from "
+            f"{', '.join(SYSTEMS)}",
+            file=sys.stderr,
+        )
         return 2
     sweep = sorted(set(args.sweep))
     from lora_guard.demo.model import prepare_demo
@@ -174,20 +183,28 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     adapters = adapter_ids(adapter_dir)[: args.adapters]
     options = EngineOptions(
-        model=str(model), adapter_dir=str(adapter_dir), max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank, kv_cache_memory=args.kv_cache_memory,
-        dtype=args.dtype, max_num_seqs=max(64, max(sweep)),
-    )  # fmt: skip
-    warm = [
-        TraceRequest(f"warm-{a}", 0.0, "t0", a, "Warm-up.", 2) for a in [None, *adapters]
-    ]  # fmt: skip
-    report: dict[str, Any] = {"command": "lora-guard " + " ".join(argv), "regime": _regime(args),
-                              "workload": asdict(spec), "systems": {}}  # fmt: skip
+        model=str(model),
+        adapter_dir=str(adapter_dir),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        kv_cache_memory=args.kv_cache_memory,
+        dtype=args.dtype,
+        max_num_seqs=max(64, max(sweep)),
+    )
+    warm = [TraceRequest(f"warm-{a}", 0.0, "t0", a, "Warm-up.", 2) for a in [None, *adapters]]
+    report: dict[str, Any] = {
+        "command": "lora-guard " + " ".join(argv),
+        "regime": _regime(args),
+        "workload": asdict(spec),
+        "systems": {},
+    }
     logs: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="lora-guard-sweep-") as scratch:
         try:
-            made = {name: make_system(name, options, adapters, args.peer_port + i, progress)
-                    for i, name in enumerate(systems)}  # fmt: skip
+            made = {
+                name: make_system(name, options, adapters, args.peer_port + i, progress)
+                for i, name in enumerate(systems)
+            }
             for name, system in made.items():
                 progress(f"{name}: sweeping N = {', '.join(map(str, sweep))}")
                 runs = [(-1, warm)] + [
@@ -197,17 +214,24 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 points, peak = run_system(system, log, runs, progress)
                 logs[f"{name}-sweep"] = shared(log.read_text(errors="replace"))
                 report["systems"][name] = {
-                    "launch": system.launch.as_json(), "points": [asdict(p) for p in points],
-                    "saturated": asdict(saturated(points)), "knee_clients": knee(points).clients,
+                    "launch": system.launch.as_json(),
+                    "points": [asdict(p) for p in points],
+                    "saturated": asdict(saturated(points)),
+                    "knee_clients": knee(points).clients,
                     "peak_rss": peak,
-                }  # fmt: skip
+                }
             capacity = min(s["saturated"]["requests_per_s"] for s in report["systems"].values())
             rate = args.matched_load * capacity
-            matched = make_trace(replace(spec, requests=args.requests,
-                                         rate=rate / (mean_rate(spec) / spec.rate)),
-                                 adapters)  # fmt: skip
-            report["matched"] = {"load": args.matched_load, "of_requests_per_s": capacity,
-                                 "requests_per_s": rate, "requests": len(matched)}  # fmt: skip
+            matched = make_trace(
+                replace(spec, requests=args.requests, rate=rate / (mean_rate(spec) / spec.rate)),
+                adapters,
+            )
+            report["matched"] = {
+                "load": args.matched_load,
+                "of_requests_per_s": capacity,
+                "requests_per_s": rate,
+                "requests": len(matched),
+            }
             for name, system in made.items():
                 progress(f"{name}: the trace at {rate:.2f} requests/s (matched load)")
                 log = Path(scratch) / f"{name}-matched.log"
@@ -252,13 +276,24 @@ def sweep_targets(systems: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         theirs = systems[peer]
         ratio = _ratio(ours["saturated"]["tokens_per_s"], theirs["saturated"]["tokens_per_s"])
-        found.append({"what": f"saturated tok/s vs {peer}", "goal": f">= {goal:g}x",
-                      "value": ratio, "met": ratio is not None and ratio >= goal})  # fmt: skip
+        found.append(
+            {
+                "what": f"saturated tok/s vs {peer}",
+                "goal": f">= {goal:g}x",
+                "value": ratio,
+                "met": ratio is not None and ratio >= goal,
+            }
+        )
         if "matched" in ours and "matched" in theirs:
             ratio = _ratio(ours["matched"]["ttft_p95_ms"], theirs["matched"]["ttft_p95_ms"])
-            found.append({"what": f"TTFT p95 at matched load vs {peer}",
-                          "goal": f"<= {LATENCY_TARGET:g}x", "value": ratio,
-                          "met": ratio is not None and ratio <= LATENCY_TARGET})  # fmt: skip
+            found.append(
+                {
+                    "what": f"TTFT p95 at matched load vs {peer}",
+                    "goal": f"<= {LATENCY_TARGET:g}x",
+                    "value": ratio,
+                    "met": ratio is not None and ratio <= LATENCY_TARGET,
+                }
+            )
     return found
 
 
@@ -270,22 +305,27 @@ def target_lines(targets: list[dict[str, Any]]) -> list[str]:
     lines = []
     for t in targets:
         value = "-" if t["value"] is None else f"{t['value']:.3g}x"
-        lines.append(f"{t['what']}: {value} (target {t['goal']}): "
-                     f"{'met' if t['met'] else 'missed'}")  # fmt: skip
+        lines.append(
+            f"{t['what']}: {value} (target {t['goal']}): {'met' if t['met'] else 'missed'}"
+        )
     return lines
 
 
 def sweep_table(systems: dict[str, dict[str, Any]]) -> str:
-    rows = ["| system | clients | tok/s | TTFT p50 | TTFT p95 | e2e p95 | done |",
-            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = [
+        "| system | clients | tok/s | TTFT p50 | TTFT p95 | e2e p95 | done |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, found in systems.items():
         best = found["saturated"]["clients"]
         for p in [*found["points"], *([found["matched"]] if "matched" in found else [])]:
             clients = str(p["clients"]) if p["clients"] else "matched load"
             mark = " (saturated)" if p["clients"] == best else ""
-            rows.append(f"| {name} | {clients}{mark} | {p['tokens_per_s']:.1f} | "
-                        f"{_ms(p['ttft_p50_ms'])} | {_ms(p['ttft_p95_ms'])} | "
-                        f"{_ms(p['e2e_p95_ms'])} | {p['completed']}/{p['requests']} |")  # fmt: skip
+            rows.append(
+                f"| {name} | {clients}{mark} | {p['tokens_per_s']:.1f} | "
+                f"{_ms(p['ttft_p50_ms'])} | {_ms(p['ttft_p95_ms'])} | "
+                f"{_ms(p['e2e_p95_ms'])} | {p['completed']}/{p['requests']} |"
+            )
     return "\n".join(rows)
 
 
@@ -298,10 +338,20 @@ def write_sweep_plot(systems: dict[str, dict[str, Any]], folder: Path) -> list[P
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, found in systems.items():
         clients = [p["clients"] for p in found["points"]]
-        left.plot(clients, [p["tokens_per_s"] for p in found["points"]], marker="o",
-                  label=name, color=colour(name))  # fmt: skip
-        right.plot(clients, [p["ttft_p95_ms"] for p in found["points"]], marker="o",
-                   label=name, color=colour(name))  # fmt: skip
+        left.plot(
+            clients,
+            [p["tokens_per_s"] for p in found["points"]],
+            marker="o",
+            label=name,
+            color=colour(name),
+        )
+        right.plot(
+            clients,
+            [p["ttft_p95_ms"] for p in found["points"]],
+            marker="o",
+            label=name,
+            color=colour(name),
+        )
     left.set_ylabel("generated tokens/s (all clients busy)")
     right.set_ylabel("TTFT p95 (ms)")
     right.set_yscale("log")

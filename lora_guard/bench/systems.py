@@ -32,17 +32,34 @@ class System:
 
 
 def make_system(
-    name: str, options: EngineOptions, adapters: list[str], port: int,
+    name: str,
+    options: EngineOptions,
+    adapters: list[str],
+    port: int,
     log: Callable[[str], None],
-) -> System:  # fmt: skip
+) -> System:
     model, adapter_dir = Path(options.model), Path(options.adapter_dir)
     if name == "lora-guard":
         command = [
-            sys.executable, "-m", "lora_guard.cli", "serve", "--model", str(model),
-            "--adapter-dir", str(adapter_dir), "--host", "127.0.0.1", "--port", str(port),
-            "--cache-memory", str(options.kv_cache_memory), "--dtype", options.dtype,
-            "--max-num-seqs", str(options.max_num_seqs),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "lora_guard.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--adapter-dir",
+            str(adapter_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--cache-memory",
+            str(options.kv_cache_memory),
+            "--dtype",
+            options.dtype,
+            "--max-num-seqs",
+            str(options.max_num_seqs),
+        ]
         if options.max_loras:
             command += ["--max-loras", str(options.max_loras)]
         return System(name, ServerLaunch(command, {}), _by_model("tgi"))  # its base model's alias
@@ -50,10 +67,20 @@ def make_system(
         from lora_guard.bench.peft_server import BASE_NAME
 
         command = [
-            sys.executable, "-m", "lora_guard.bench.peft_server", "--model", str(model),
-            "--adapter-dir", str(adapter_dir), "--adapters", ",".join(adapters),
-            "--dtype", options.dtype, "--port", str(port),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "lora_guard.bench.peft_server",
+            "--model",
+            str(model),
+            "--adapter-dir",
+            str(adapter_dir),
+            "--adapters",
+            ",".join(adapters),
+            "--dtype",
+            options.dtype,
+            "--port",
+            str(port),
+        ]
         return System(name, ServerLaunch(command, {}), _by_model(BASE_NAME))
     if name == "vllm":
         from lora_guard.bench.vllm_peer import BASE_NAME, peer_python, vllm_launch
@@ -65,9 +92,14 @@ def make_system(
 
         python = peer.llama_cpp_python(log)
         base, files = peer.gguf_files(python, model, adapter_dir, adapters, options.dtype, log)
-        launch = peer.llama_cpp_launch(peer.server_binary(python), base, files, port,
-                                       parallel=options.max_num_seqs,
-                                       bos=peer.adds_bos(model))  # fmt: skip
+        launch = peer.llama_cpp_launch(
+            peer.server_binary(python),
+            base,
+            files,
+            port,
+            parallel=options.max_num_seqs,
+            bos=peer.adds_bos(model),
+        )
         return System(name, launch, _by_lora_list(adapters))
     raise ValueError(f"unknown system {name!r}")
 

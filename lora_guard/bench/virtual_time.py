@@ -48,6 +48,7 @@ from lora_guard.workload.trace import (
 )
 
 #: scheme -> ``--policies`` (None: the defaults, lora-guard's guard policies)
+# one row a line, as a table reads (fmt: skip)
 SCHEMES: dict[str, str | None] = {
     "base": "lru", "lru": "lru", "fifo": "fifo", "drain": "drain", "time-slice": "time-slice",
     "s3-fifo": "s3-fifo", "w-tinylfu": "w-tinylfu", "lora-guard": None, "all-resident": "lru",
@@ -84,8 +85,9 @@ def demo_scale(model: Path) -> float:
     config = json.loads((model / "config.json").read_text())
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     kv_width = config.get("num_key_value_heads", heads) * hidden // heads
-    here = lora_bytes_per_rank(hidden, config["intermediate_size"],
-                               config["num_hidden_layers"], kv_width)  # fmt: skip
+    here = lora_bytes_per_rank(
+        hidden, config["intermediate_size"], config["num_hidden_layers"], kv_width
+    )
     return lora_bytes_per_rank(*DEMO_SHAPE) / here
 
 
@@ -109,8 +111,11 @@ class Result:
         asked = [a for a, _ in self.arrivals]
         attempts = self.loads + self.rejected
         return {
-            "scheme": self.scheme, "completed": len(done), "requests": len(self.records),
-            "ttft_p50_ms": percentile(ttft, 50), "ttft_p95_ms": percentile(ttft, 95),
+            "scheme": self.scheme,
+            "completed": len(done),
+            "requests": len(self.records),
+            "ttft_p50_ms": percentile(ttft, 50),
+            "ttft_p95_ms": percentile(ttft, 95),
             "tail_tokens_per_s": percentile(speeds, 5),
             "decode_tail_tokens_per_s": percentile(decode, 5),
             "hit_rate": sum(hit for _, hit in self.arrivals) / len(asked) if asked else None,
@@ -119,7 +124,7 @@ class Result:
             "adapter_wait_ms_p95": percentile(waits, 95),
             "cold_fail_ratio": self.rejected / attempts if attempts else 0.0,
             "retries": sum(r.retries for r in self.records),
-        }  # fmt: skip
+        }
 
     def tenant_ttft_p95(self) -> dict[str, float | None]:
         by_tenant: dict[str, list[float]] = {}
@@ -145,9 +150,13 @@ class Replay:
     """One engine driven step by step on the virtual clock."""
 
     def __init__(
-        self, llm: Any, clock: VirtualClock, costs: Costs, adapter_mib: dict[str, float],
+        self,
+        llm: Any,
+        clock: VirtualClock,
+        costs: Costs,
+        adapter_mib: dict[str, float],
         scale: float,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.llm, self.engine, self.clock, self.costs = llm, llm.engine, clock, costs
         self.scale = scale  # demo-model bytes per byte of this model's adapters
         self.writes = _Writes(adapter_mib)
@@ -181,8 +190,9 @@ class Replay:
         by_id = {r.id: r for r in trace}
         due = [(r.time, i, r.id) for i, r in enumerate(trace)]
         heapq.heapify(due)
-        records = {r.id: RequestRecord(r.id, r.adapter_id if adapters else None, r.time)
-                   for r in trace}  # fmt: skip
+        records = {
+            r.id: RequestRecord(r.id, r.adapter_id if adapters else None, r.time) for r in trace
+        }
         attempt_of: dict[str, str] = {}
         rejected, tiebreak = 0, len(trace)
         while due or self.engine.has_unfinished_requests():
@@ -196,8 +206,13 @@ class Replay:
                 if record.adapter_id is not None and not record.retries:
                     hit = record.adapter_id in self.engine.figures().resident
                     self.arrivals.append((record.adapter_id, hit))
-                self.engine.add_request(attempt, self.llm.tokenizer.encode(r.prompt), params,
-                                        record.adapter_id, r.tenant)  # fmt: skip
+                self.engine.add_request(
+                    attempt,
+                    self.llm.tokenizer.encode(r.prompt),
+                    params,
+                    record.adapter_id,
+                    r.tenant,
+                )
                 attempt_of[attempt] = trace_id
             for out in self.step():
                 record, now = records[attempt_of[out.request_id]], self.clock.now - start
@@ -244,14 +259,26 @@ class Bench:
         return {a: b * self.scale / MIB for a, b in self.adapter_bytes.items()}
 
     def llm(
-        self, clock: VirtualClock, policies: str | None, cache_memory: int, max_loras: int,
+        self,
+        clock: VirtualClock,
+        policies: str | None,
+        cache_memory: int,
+        max_loras: int,
         pin: Sequence[str] = (),
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         from lora_guard.engine import LLM
 
-        return LLM(self.model, adapter_dir=self.adapter_dir, max_cpu_loras=len(self.adapter_ids),
-                   cache_memory=cache_memory, max_loras=max_loras, max_lora_rank=64,
-                   policies=policies, settings={"pin": list(pin)}, clock=clock)  # fmt: skip
+        return LLM(
+            self.model,
+            adapter_dir=self.adapter_dir,
+            max_cpu_loras=len(self.adapter_ids),
+            cache_memory=cache_memory,
+            max_loras=max_loras,
+            max_lora_rank=64,
+            policies=policies,
+            settings={"pin": list(pin)},
+            clock=clock,
+        )
 
     def pages_bytes(self, adapter_ids: Sequence[str]) -> int:
         """Bytes of the pool pages ``adapter_ids`` take together."""
@@ -271,9 +298,10 @@ class Bench:
 
 def capacity(bench: Bench, spec: WorkloadSpec) -> Capacity:
     """The bench's capacity run (``CAPACITY_BATCH`` requests at once, base model), virtually."""
-    trace = [TraceRequest(f"cap-{i}", 0.0, "t0", None, prompt, n)
-             for i, (prompt, n) in enumerate(capacity_prompts(spec, bench.adapter_ids))
-             ]  # fmt: skip
+    trace = [
+        TraceRequest(f"cap-{i}", 0.0, "t0", None, prompt, n)
+        for i, (prompt, n) in enumerate(capacity_prompts(spec, bench.adapter_ids))
+    ]
     clock = VirtualClock()
     llm = bench.llm(clock, "lru", 64 * MIB, 0)
     replay = bench.replay(llm, clock)
@@ -309,8 +337,16 @@ def run_scheme(
     engine.check_no_leaks()
     tenants = {r.id: r.tenant for r in trace}
     loads = engine.figures().loads - before.loads
-    result = Result(scheme, records, tenants, loads, recorder.ordered_binds(), before.resident,
-                    rejected, replay.arrivals)  # fmt: skip
+    result = Result(
+        scheme,
+        records,
+        tenants,
+        loads,
+        recorder.ordered_binds(),
+        before.resident,
+        rejected,
+        replay.arrivals,
+    )
     kv_bytes = replay.peak_kv_blocks * engine.memory().page_bytes
     engine.shutdown()
     return result, kv_bytes
@@ -347,10 +383,13 @@ class Pressure:
 
     def summary(self) -> dict[str, Any]:
         room = max(self.cache_memory - self.kv_bytes, 1)
-        return {"kv_mib": self.kv_bytes / MIB, "adapter_room_mib": room / MIB,
-                "cache_memory_mib": self.cache_memory / MIB,
-                "in_use_per_minute_over_room_p10": self.window_bytes_p10 / room,
-                "in_use_per_minute_over_room_p50": self.window_bytes_p50 / room}  # fmt: skip
+        return {
+            "kv_mib": self.kv_bytes / MIB,
+            "adapter_room_mib": room / MIB,
+            "cache_memory_mib": self.cache_memory / MIB,
+            "in_use_per_minute_over_room_p10": self.window_bytes_p10 / room,
+            "in_use_per_minute_over_room_p50": self.window_bytes_p50 / room,
+        }
 
 
 @dataclass
@@ -363,9 +402,13 @@ class SeedRun:
 
 
 def study(
-    bench: Bench, spec: WorkloadSpec, schemes: Sequence[str], load: float,
-    trace: list[TraceRequest] | None = None, cache_memory: int | None = None,
-) -> SeedRun:  # fmt: skip
+    bench: Bench,
+    spec: WorkloadSpec,
+    schemes: Sequence[str],
+    load: float,
+    trace: list[TraceRequest] | None = None,
+    cache_memory: int | None = None,
+) -> SeedRun:
     """Every scheme on one trace (``trace``, or one drawn from ``spec`` at ``load`` of the
     capacity). The pool is ``cache_memory``, or for ``pressure`` sized by :class:`Pressure`
     (64 MiB otherwise)."""
@@ -378,8 +421,9 @@ def study(
     if cache_memory is None and spec.scenario == "pressure":
         _, kv_bytes = run_scheme(bench, "lru", trace, 64 * MIB)
         windows = window_bytes(trace, bench.adapter_bytes)
-        pressure = Pressure(kv_bytes, int(percentile(windows, 10) or 0),
-                            int(percentile(windows, 50) or 0))  # fmt: skip
+        pressure = Pressure(
+            kv_bytes, int(percentile(windows, 10) or 0), int(percentile(windows, 50) or 0)
+        )
         cache_memory = pressure.cache_memory
     pool = cache_memory or 64 * MIB
     for scheme in schemes:
@@ -416,18 +460,23 @@ def report(runs: Sequence[SeedRun], schemes: Sequence[str]) -> dict[str, Any]:
                 merged[key] = None
         out["schemes"][scheme] = merged
     for tenant, by_scheme in sorted(tenants.items()):
-        out["tenants"][tenant] = {s: {"ttft_p95_ms": statistics.median(v)}
-                                  for s, v in by_scheme.items()}  # fmt: skip
+        out["tenants"][tenant] = {
+            s: {"ttft_p95_ms": statistics.median(v)} for s, v in by_scheme.items()
+        }
     storm = [run for run in runs if run.calm]
     if storm:
-        out["storm"] = {s: statistics.median(_storm_ratio(run, s) for run in storm)
-                        for s in schemes}  # fmt: skip
+        out["storm"] = {
+            s: statistics.median(_storm_ratio(run, s) for run in storm) for s in schemes
+        }
     for run in runs:
-        out["runs"].append({
-            "seed": run.seed, "rate": run.rate,
-            "pool": run.pressure.summary() if run.pressure else None,
-            "schemes": {r.scheme: r.figures() for r in run.results},
-        })  # fmt: skip
+        out["runs"].append(
+            {
+                "seed": run.seed,
+                "rate": run.rate,
+                "pool": run.pressure.summary() if run.pressure else None,
+                "schemes": {r.scheme: r.figures() for r in run.results},
+            }
+        )
     return out
 
 
@@ -436,8 +485,11 @@ def _storm_ratio(run: SeedRun, scheme: str) -> float:
 
     def others_p95(results: list[Result]) -> float:
         result = next(r for r in results if r.scheme == scheme)
-        ttft = [(r.first_token - r.arrival) * 1000 for r in result.records
-                if r.first_token is not None and result.tenants[r.id] != "t0"]  # fmt: skip
+        ttft = [
+            (r.first_token - r.arrival) * 1000
+            for r in result.records
+            if r.first_token is not None and result.tenants[r.id] != "t0"
+        ]
         return percentile(ttft, 95) or 0.0
 
     calm = others_p95(run.calm)
@@ -471,16 +523,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="The bench workload through the real engine and policies on a virtual clock.",
     )
     add = parser.add_argument
-    add("--schemes", default="base,lru,lora-guard",
-        help=f"comma-separated, of {', '.join(SCHEMES)}")  # fmt: skip
+    add(
+        "--schemes", default="base,lru,lora-guard", help=f"comma-separated, of {', '.join(SCHEMES)}"
+    )
     add("--scenario", choices=SCENARIOS, default="zipf")
-    add("--trace", type=Path, help="replay this JSONL trace (the bench's format; adapters it names "
-        "are made for the tiny model, ranks from an optional 'rank' field)")  # fmt: skip
+    add(
+        "--trace",
+        type=Path,
+        help="replay this JSONL trace (the bench's format; adapters it names "
+        "are made for the tiny model, ranks from an optional 'rank' field)",
+    )
     # The engine's flags as `lora-guard serve` has them. Without --cache-memory the pool is sized
     # here, by the scenario (not a quarter of free memory): the figures depend on no machine.
-    add_engine_flags(parser, ["max_loras", "cache_memory"], shown={"cache_memory": "64MiB; "
-                     "pressure: sized so the adapters in use over a minute take 3x the room "
-                     "beside the KV the load needs"})  # fmt: skip
+    add_engine_flags(
+        parser,
+        ["max_loras", "cache_memory"],
+        shown={
+            "cache_memory": "64MiB; "
+            "pressure: sized so the adapters in use over a minute take 3x the room "
+            "beside the KV the load needs"
+        },
+    )
     add("--seeds", default=None, help="comma-separated trace seeds (default: 0)")
     add("--seed", type=int, help="one seed: --seeds N")
     add("--requests", type=int, help="requests per seed (default 200; pressure: 1000)")
@@ -502,17 +565,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         bench = _make_bench(Path(tmp), spec, args, costs)
         trace = read_trace(args.trace) if args.trace else None
-        runs = [study(bench, replace(spec, seed=seed), schemes, args.load, trace, cache_memory)
-                for seed in (seeds if trace is None else [seeds[0]])]  # fmt: skip
+        runs = [
+            study(bench, replace(spec, seed=seed), schemes, args.load, trace, cache_memory)
+            for seed in (seeds if trace is None else [seeds[0]])
+        ]
     out = report(runs, schemes)
-    out = {"scenario": "trace" if args.trace else spec.scenario,
-           "seeds": None if args.trace else seeds, "requests": spec.requests,
-           "max_loras": args.max_loras, "load": args.load, "costs": costs.source,
-           **out}  # fmt: skip
+    out = {
+        "scenario": "trace" if args.trace else spec.scenario,
+        "seeds": None if args.trace else seeds,
+        "requests": spec.requests,
+        "max_loras": args.max_loras,
+        "load": args.load,
+        "costs": costs.source,
+        **out,
+    }
     rates = ", ".join(f"{r.rate:.3f}/s" for r in runs if r.rate is not None)
-    print(f"virtual time: {out['scenario']}, seeds {out['seeds']}, {spec.requests} requests a "
-          f"seed, load {args.load} (rate {rates or 'from the trace'} outside bursts), "
-          f"max_loras {args.max_loras}; costs: {costs.source}")  # fmt: skip
+    print(
+        f"virtual time: {out['scenario']}, seeds {out['seeds']}, {spec.requests} requests a "
+        f"seed, load {args.load} (rate {rates or 'from the trace'} outside bursts), "
+        f"max_loras {args.max_loras}; costs: {costs.source}"
+    )
     for run in runs:
         if run.pressure:
             pool = run.pressure.summary()
@@ -529,8 +601,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for scheme, row in out["schemes"].items():
         print("| " + " | ".join(_cell(scheme if k == "scheme" else row[k]) for k in keys) + " |")
     if "storm" in out:
-        print("other tenants' TTFT p95, storm / no storm: "
-              + ", ".join(f"{s} {v:.2f}x" for s, v in out["storm"].items()))  # fmt: skip
+        print(
+            "other tenants' TTFT p95, storm / no storm: "
+            + ", ".join(f"{s} {v:.2f}x" for s, v in out["storm"].items())
+        )
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
@@ -551,8 +625,15 @@ def _seeds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[in
 
 
 def _spec(args: argparse.Namespace) -> WorkloadSpec:
-    given = {k: v for k, v in (("adapters", args.adapters), ("tenants", args.tenants),
-                               ("requests", args.requests)) if v is not None}  # fmt: skip
+    given = {
+        k: v
+        for k, v in (
+            ("adapters", args.adapters),
+            ("tenants", args.tenants),
+            ("requests", args.requests),
+        )
+        if v is not None
+    }
     spec = WorkloadSpec(requests=200, output_mean=args.output_mean, scenario=args.scenario)
     if args.scenario == "pressure":
         return pressure_spec(spec, **{"requests": 1000, **given})
@@ -570,14 +651,17 @@ def _make_bench(tmp: Path, spec: WorkloadSpec, args: argparse.Namespace, costs: 
     if args.trace:
         folders = write_adapters(model, out, named_specs(trace_ranks(args.trace)), strength=0.5)
     elif spec.scenario == "pressure":
-        folders = make_adapters(model, out, n=spec.adapters, ranks=PRESSURE_RANKS, prefix="demo",
-                                strength=0.5)  # fmt: skip
+        folders = make_adapters(
+            model, out, n=spec.adapters, ranks=PRESSURE_RANKS, prefix="demo", strength=0.5
+        )
     else:
-        folders = make_adapters(model, out, n=spec.adapters, ranks=(4, 8, 16), prefix="demo",
-                                all_projections=True)  # fmt: skip
+        folders = make_adapters(
+            model, out, n=spec.adapters, ranks=(4, 8, 16), prefix="demo", all_projections=True
+        )
     sizes = {f.name: sum(p.stat().st_size for p in f.glob("*.safetensors")) for f in folders}
-    return Bench(model, out, [f.name for f in folders], costs, args.max_loras, demo_scale(model),
-                 sizes)  # fmt: skip
+    return Bench(
+        model, out, [f.name for f in folders], costs, args.max_loras, demo_scale(model), sizes
+    )
 
 
 def _cell(value: Any) -> str:

@@ -100,9 +100,13 @@ def replay_vllm(
 
 
 def vllm_launch(
-    python: Path, options: EngineOptions, adapters: list[str], port: int,
-    cores: set[int] | None = None, tcmalloc: Path | None = None,
-) -> ServerLaunch:  # fmt: skip
+    python: Path,
+    options: EngineOptions,
+    adapters: list[str],
+    port: int,
+    cores: set[int] | None = None,
+    tcmalloc: Path | None = None,
+) -> ServerLaunch:
     """The command and environment that start vLLM on ``port`` for ``options`` and ``adapters``,
     as its CPU documentation asks; ``cores`` are the CPUs to compute on (by default every one this
     process may use).
@@ -120,18 +124,37 @@ def vllm_launch(
     from lora_guard.engine.config import parse_memory
 
     command = [
-        str(python), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", options.model, "--served-model-name", BASE_NAME,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", options.dtype,
-        "--max-num-seqs", str(options.max_num_seqs),
-        "--kv-cache-memory-bytes", str(parse_memory(options.kv_cache_memory)),
-    ]  # fmt: skip
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        options.model,
+        "--served-model-name",
+        BASE_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        options.dtype,
+        "--max-num-seqs",
+        str(options.max_num_seqs),
+        "--kv-cache-memory-bytes",
+        str(parse_memory(options.kv_cache_memory)),
+    ]
     if adapters:
         seats = options.max_loras or len(adapters)  # vLLM needs a cap: every adapter, if none
-        command += ["--enable-lora", "--max-loras", str(seats),
-                    "--max-lora-rank", str(options.max_lora_rank), "--max-cpu-loras",
-                    str(max(len(adapters), seats)), "--lora-modules",
-                    *(f"{a}={Path(options.adapter_dir) / a}" for a in adapters)]  # fmt: skip
+        command += [
+            "--enable-lora",
+            "--max-loras",
+            str(seats),
+            "--max-lora-rank",
+            str(options.max_lora_rank),
+            "--max-cpu-loras",
+            str(max(len(adapters), seats)),
+            "--lora-modules",
+            *(f"{a}={Path(options.adapter_dir) / a}" for a in adapters),
+        ]
     environment = {
         "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cores if cores is not None else _my_cores()),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -159,8 +182,12 @@ def _my_cores() -> set[int]:
 
 def system_tcmalloc() -> Path | None:
     """The machine's tcmalloc library, if one is installed where the dynamic linker looks."""
-    for folder in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
-                   "/usr/lib"):  # fmt: skip
+    for folder in (
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+        "/usr/lib64",
+        "/usr/lib",
+    ):
         for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
             if (Path(folder) / name).exists():
                 return Path(folder) / name
@@ -183,10 +210,14 @@ def _send(
 ) -> None:
     time.sleep(max(0.0, request.time - (time.monotonic() - start)))
     body = {
-        "model": request.adapter_id or BASE_NAME, "prompt": prompt,
-        "max_tokens": request.max_new_tokens, "temperature": 0, "ignore_eos": True,
-        "stream": True, "return_token_ids": True,
-    }  # fmt: skip
+        "model": request.adapter_id or BASE_NAME,
+        "prompt": prompt,
+        "max_tokens": request.max_new_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
     try:
         with client.stream("POST", "/v1/completions", json=body) as reply:
             if reply.status_code != 200:

@@ -97,8 +97,11 @@ def named_specs(ranks: dict[str, int], seed: int = 0) -> list[AdapterSpec]:
         if rank < 1:
             raise AdapterMakerError(f"adapter {name!r}: rank must be positive, got {rank}")
         mlp = MLP_MODULES if i % 2 else ()
-        specs.append(AdapterSpec(name, rank, 2 * rank, ATTENTION_MODULES + mlp, i % 3 == 2,
-                                 seed * 100_003 + i))  # fmt: skip
+        specs.append(
+            AdapterSpec(
+                name, rank, 2 * rank, ATTENTION_MODULES + mlp, i % 3 == 2, seed * 100_003 + i
+            )
+        )
     return specs
 
 

@@ -247,10 +247,24 @@ def start_server(
 
     port = free_port()
     command = [
-        sys.executable, "-m", "lora_guard.cli", command_name, "--model", str(model),
-        "--adapter-dir", str(adapter_dir), "--host", "127.0.0.1", "--port", str(port),
-        "--kv-cache-memory", "16MiB", "--block-size", "4", *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "lora_guard.cli",
+        command_name,
+        "--model",
+        str(model),
+        "--adapter-dir",
+        str(adapter_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--kv-cache-memory",
+        "16MiB",
+        "--block-size",
+        "4",
+        *args,
+    ]
     environment = {**os.environ, "LORA_GUARD_DISABLE_PLUGIN_AUTOLOAD": "1", **(env or {})}
     with log.open("w") as handle:
         process = subprocess.Popen(
@@ -305,8 +319,16 @@ def engine_greedy(
     from lora_guard import LLM, SamplingParams
 
     table: dict[str, str | Path] = dict(adapters)
-    llm = LLM(model, adapters=table, max_loras=max(1, len(adapters)), device="cpu",
-              dtype="float32", kv_cache_memory="16MiB", block_size=4, policies="lru")  # fmt: skip
+    llm = LLM(
+        model,
+        adapters=table,
+        max_loras=max(1, len(adapters)),
+        device="cpu",
+        dtype="float32",
+        kv_cache_memory="16MiB",
+        block_size=4,
+        policies="lru",
+    )
     try:
         outputs = llm.generate(
             [prompt for prompt, _ in requests],
@@ -328,9 +350,17 @@ class SoloGreedy:
         from lora_guard import LLM
 
         table: dict[str, str | Path] = dict(adapters)
-        self.llm = LLM(model, adapters=table, kv_cache_memory="4MiB", policies="lru",
-                       enable_prefix_caching=False, device="cpu", dtype="float32",
-                       lora_dtype=lora_dtype, lora_compute="loop")  # fmt: skip
+        self.llm = LLM(
+            model,
+            adapters=table,
+            kv_cache_memory="4MiB",
+            policies="lru",
+            enable_prefix_caching=False,
+            device="cpu",
+            dtype="float32",
+            lora_dtype=lora_dtype,
+            lora_compute="loop",
+        )
         self.memo: dict[tuple[tuple[int, ...], str | None, int], list[int]] = {}
 
     def __call__(self, prompt: list[int], adapter: str | None, n: int) -> list[int]:

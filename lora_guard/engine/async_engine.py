@@ -117,10 +117,15 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop())
         self._send(
             _Add(
-                request_id, prompt, params or SamplingParams(), adapter_id, tenant_id, stream,
+                request_id,
+                prompt,
+                params or SamplingParams(),
+                adapter_id,
+                tenant_id,
+                stream,
                 self.clock() if arrival_time is None else arrival_time,
             )
-        )  # fmt: skip
+        )
         finished = False
         try:
             while True:
@@ -211,9 +216,13 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(
-                    command.request_id, command.prompt, command.params, command.adapter_id,
-                    command.tenant_id, arrival_time=command.arrival_time,
-                )  # fmt: skip
+                    command.request_id,
+                    command.prompt,
+                    command.params,
+                    command.adapter_id,
+                    command.tenant_id,
+                    arrival_time=command.arrival_time,
+                )
             except Exception as exc:
                 command.stream.put(exc)
             else:

@@ -94,9 +94,13 @@ def engine_from_config(
         )
     try:
         pool = CachePool(
-            spec, num_pages, config.block_size, config.torch_dtype, config.torch_device,
+            spec,
+            num_pages,
+            config.block_size,
+            config.torch_dtype,
+            config.torch_device,
             config.torch_lora_dtype,
-        )  # fmt: skip
+        )
         lora_compute = resolve_mode(
             config.lora_compute, config.torch_dtype, config.torch_device, config.torch_lora_dtype
         )
@@ -128,9 +132,16 @@ def engine_from_config(
     if isinstance(residency, MergedResidency) and config.static_adapter is not None:
         merge_static(residency, config.static_adapter, spec, config)
     scheduler = Scheduler(
-        blocks, residency, hooks, model_id, config.max_batch_tokens, config.max_num_seqs,
-        reject_when_busy=config.reject_when_busy, page_bytes=page_bytes, clock=config.clock,
-    )  # fmt: skip
+        blocks,
+        residency,
+        hooks,
+        model_id,
+        config.max_batch_tokens,
+        config.max_num_seqs,
+        reject_when_busy=config.reject_when_busy,
+        page_bytes=page_bytes,
+        clock=config.clock,
+    )
     check = RequestCheck(
         residency.registry,
         spec.vocab_size,

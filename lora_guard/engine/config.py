@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+# one row a line, as a table reads (fmt: skip)
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -23,6 +24,7 @@ _UNITS = {
 }  # fmt: skip
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LORA_DTYPES = ("auto", *DTYPES)  # the names a command-line --lora-dtype takes
+# one row a line, as a table reads (fmt: skip)
 _DTYPE_NAMES = {
     "auto": "auto",
     "float32": "float32", "fp32": "float32", "float": "float32",
@@ -163,8 +165,14 @@ def setting(
     checks a value, Python or a flag's text. ``flag`` is the setting's name on the command line
     where it differs from the field's; a bool field is a switch there (``--no-...`` when on by
     default). ``group`` is its section of ``lora-guard serve --help``."""
-    metadata = {"help": help, "check": check, "metavar": metavar, "shown": shown, "flag": flag,
-                "group": group}  # fmt: skip
+    metadata = {
+        "help": help,
+        "check": check,
+        "metavar": metavar,
+        "shown": shown,
+        "flag": flag,
+        "group": group,
+    }
     return field(default=default, metadata=metadata)
 
 
@@ -205,73 +213,136 @@ ORDERS = (
 class EngineConfig:
     """Sizes and switches of one engine instance."""
 
-    model: str = setting(help="Hugging Face checkpoint folder (config.json, *.safetensors, "
-                         "tokenizer)", check=text, metavar="DIR", group="model",
-                         shown="the demo model, prepared if missing")  # fmt: skip
-    model_id: str | None = setting(None, help="name of the base model in /info, /v1/models and "
-                                   "the OpenAI `model` field", check=text, metavar="NAME",
-                                   group="model", shown="from the checkpoint")  # fmt: skip
-    device: str | torch.device = setting("auto", help="cpu, cuda, cuda:N, mps or auto (cuda when "
-                                         "available)", check=device_name)  # fmt: skip
-    dtype: str | torch.dtype = setting("auto", help="float32, bfloat16, float16 (also fp32, bf16, "
-                                       "fp16, half) or auto (bfloat16 on cuda, float32 on cpu)",
-                                       check=dtype_name)  # fmt: skip
-    lora_dtype: str | torch.dtype = setting("auto", help="how adapter weights are stored in the "
-                                            "cache pool: float32, bfloat16, float16 (rounded "
-                                            "once when read, computed in {dtype}) or auto (as "
-                                            "{dtype})", check=dtype_name)  # fmt: skip
-    max_loras: int = setting(0, help="most adapters resident in the cache pool at once; 0: no "
-                             "cap, the pool's pages alone bound them", check=at_least(0),
-                             metavar="N")  # fmt: skip
-    max_cpu_loras: int = setting(32, help="adapters kept in host memory; left at its default it "
-                                 "is raised to {max_loras}, set lower it is an error",
-                                 check=at_least(1), metavar="N")  # fmt: skip
-    max_lora_rank: int = setting(64, help="largest adapter rank accepted (adapters take pages for "
-                                 "their own ranks, never this one)", check=at_least(1),
-                                 metavar="N")  # fmt: skip
-    cache_memory: int | str | None = setting(None, help="the one cache pool that KV blocks and "
-                                             "adapter weights share, bytes or a size such as "
-                                             "512MiB, 2GB, 1.5GiB; memory for both never exceeds "
-                                             "it", check=parse_memory, metavar="SIZE",
-                                             shown="{kv_cache_memory}, else a quarter of free "
-                                             "memory")  # fmt: skip
-    kv_cache_memory: int | str | None = setting(None, help="the cache pool under its former name, "
-                                                "used when {cache_memory} is not given",
-                                                check=parse_memory, metavar="SIZE",
-                                                shown="a quarter of free memory")  # fmt: skip
-    residency_quantum_ms: int = setting(1000, help="an adapter that requests still need stays in "
-                                        "the pool at least this long after its load: adapters "
-                                        "take turns at step boundaries instead of thrashing",
-                                        check=at_least(0), metavar="MS")  # fmt: skip
-    lora_compute: str = setting("auto", help="how a step computes the LoRA updates: kernel (the "
-                                "compiled kernel, one call per projection; float32 on the "
-                                "CPU, from float32 or bfloat16 adapter pages), loop (per "
-                                "adapter segment), batched (one gathered batched matmul per "
-                                "projection), auto (kernel where it builds, else loop)",
-                                check=one_of("auto", "kernel", "loop", "batched"),
-                                metavar="MODE")  # fmt: skip
-    weight_layout: str = setting("auto", help="how the base model's projections are stored: "
-                                 "blocked (oneDNN's layout, float32 on the CPU), plain (torch.mm "
-                                 "over [in, out]), auto (blocked where it applies, else plain)",
-                                 check=one_of("auto", "blocked", "plain"),
-                                 metavar="LAYOUT")  # fmt: skip
-    block_size: int = setting(16, help="tokens per KV block (a power of two)", check=power_of_two,
-                              metavar="N")  # fmt: skip
-    enable_prefix_caching: bool = setting(True, help="reuse KV blocks of shared prefixes (within "
-                                          "one namespace)", flag="no_prefix_caching")  # fmt: skip
-    max_batch_tokens: int = setting(2048, help="tokens per engine step, prefill and decode "
-                                    "together; at least {block_size}", check=at_least(1),
-                                    metavar="N")  # fmt: skip
-    max_num_seqs: int = setting(64, help="sequences in the running batch at once",
-                                check=at_least(1), metavar="N")  # fmt: skip
-    max_model_len: int | None = setting(None, help="longest prompt + generated tokens of one "
-                                        "request", check=at_least(2), metavar="N",
-                                        shown="the model's context length",
-                                        flag="max_total_tokens")  # fmt: skip
-    step_log: str | None = setting(None, help="append one JSON line a step to this file (when, "
-                                   "sequences, adapter bytes read, prefill tokens, loads, "
-                                   "seconds): a step log to fit `lora-guard simulate`'s step cost "
-                                   "to", check=text, metavar="FILE")  # fmt: skip
+    model: str = setting(
+        help="Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer)",
+        check=text,
+        metavar="DIR",
+        group="model",
+        shown="the demo model, prepared if missing",
+    )
+    model_id: str | None = setting(
+        None,
+        help="name of the base model in /info, /v1/models and the OpenAI `model` field",
+        check=text,
+        metavar="NAME",
+        group="model",
+        shown="from the checkpoint",
+    )
+    device: str | torch.device = setting(
+        "auto", help="cpu, cuda, cuda:N, mps or auto (cuda when available)", check=device_name
+    )
+    dtype: str | torch.dtype = setting(
+        "auto",
+        help="float32, bfloat16, float16 (also fp32, bf16, "
+        "fp16, half) or auto (bfloat16 on cuda, float32 on cpu)",
+        check=dtype_name,
+    )
+    lora_dtype: str | torch.dtype = setting(
+        "auto",
+        help="how adapter weights are stored in the "
+        "cache pool: float32, bfloat16, float16 (rounded "
+        "once when read, computed in {dtype}) or auto (as "
+        "{dtype})",
+        check=dtype_name,
+    )
+    max_loras: int = setting(
+        0,
+        help="most adapters resident in the cache pool at once; 0: no "
+        "cap, the pool's pages alone bound them",
+        check=at_least(0),
+        metavar="N",
+    )
+    max_cpu_loras: int = setting(
+        32,
+        help="adapters kept in host memory; left at its default it "
+        "is raised to {max_loras}, set lower it is an error",
+        check=at_least(1),
+        metavar="N",
+    )
+    max_lora_rank: int = setting(
+        64,
+        help="largest adapter rank accepted (adapters take pages for "
+        "their own ranks, never this one)",
+        check=at_least(1),
+        metavar="N",
+    )
+    cache_memory: int | str | None = setting(
+        None,
+        help="the one cache pool that KV blocks and "
+        "adapter weights share, bytes or a size such as "
+        "512MiB, 2GB, 1.5GiB; memory for both never exceeds "
+        "it",
+        check=parse_memory,
+        metavar="SIZE",
+        shown="{kv_cache_memory}, else a quarter of free memory",
+    )
+    kv_cache_memory: int | str | None = setting(
+        None,
+        help="the cache pool under its former name, used when {cache_memory} is not given",
+        check=parse_memory,
+        metavar="SIZE",
+        shown="a quarter of free memory",
+    )
+    residency_quantum_ms: int = setting(
+        1000,
+        help="an adapter that requests still need stays in "
+        "the pool at least this long after its load: adapters "
+        "take turns at step boundaries instead of thrashing",
+        check=at_least(0),
+        metavar="MS",
+    )
+    lora_compute: str = setting(
+        "auto",
+        help="how a step computes the LoRA updates: kernel (the "
+        "compiled kernel, one call per projection; float32 on the "
+        "CPU, from float32 or bfloat16 adapter pages), loop (per "
+        "adapter segment), batched (one gathered batched matmul per "
+        "projection), auto (kernel where it builds, else loop)",
+        check=one_of("auto", "kernel", "loop", "batched"),
+        metavar="MODE",
+    )
+    weight_layout: str = setting(
+        "auto",
+        help="how the base model's projections are stored: "
+        "blocked (oneDNN's layout, float32 on the CPU), plain (torch.mm "
+        "over [in, out]), auto (blocked where it applies, else plain)",
+        check=one_of("auto", "blocked", "plain"),
+        metavar="LAYOUT",
+    )
+    block_size: int = setting(
+        16, help="tokens per KV block (a power of two)", check=power_of_two, metavar="N"
+    )
+    enable_prefix_caching: bool = setting(
+        True,
+        help="reuse KV blocks of shared prefixes (within one namespace)",
+        flag="no_prefix_caching",
+    )
+    max_batch_tokens: int = setting(
+        2048,
+        help="tokens per engine step, prefill and decode together; at least {block_size}",
+        check=at_least(1),
+        metavar="N",
+    )
+    max_num_seqs: int = setting(
+        64, help="sequences in the running batch at once", check=at_least(1), metavar="N"
+    )
+    max_model_len: int | None = setting(
+        None,
+        help="longest prompt + generated tokens of one request",
+        check=at_least(2),
+        metavar="N",
+        shown="the model's context length",
+        flag="max_total_tokens",
+    )
+    step_log: str | None = setting(
+        None,
+        help="append one JSON line a step to this file (when, "
+        "sequences, adapter bytes read, prefill tokens, loads, "
+        "seconds): a step log to fit `lora-guard simulate`'s step cost "
+        "to",
+        check=text,
+        metavar="FILE",
+    )
     lora_mode: str = "slots"
     static_adapter: str | None = None
     reject_when_busy: bool = True  # False: a policy's "busy" makes a request wait (LLM.generate)

@@ -74,9 +74,16 @@ class LLM:
         config = {f.name: given[f.name] for f in user_fields()}  # the engine's fields, once
         chosen = parse_policies(policies)
         hooks = Hooks(make_plugin_manager(chosen, plugins, disabled_plugins))
-        self.engine = build_engine(hooks, chosen, settings or {}, adapters=adapters,
-                                   adapter_dir=adapter_dir, reject_when_busy=False,
-                                   clock=clock, **config)  # fmt: skip
+        self.engine = build_engine(
+            hooks,
+            chosen,
+            settings or {},
+            adapters=adapters,
+            adapter_dir=adapter_dir,
+            reject_when_busy=False,
+            clock=clock,
+            **config,
+        )
         self._ids = itertools.count()
 
     @property

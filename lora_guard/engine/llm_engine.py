@@ -75,11 +75,8 @@ class LLMEngine(EngineQueries):
         self.check.adapter(adapter_id)
         token_ids = self.encode(prompt)
         self.check.prompt(token_ids, params)
-        seq = Sequence(
-            request_id, token_ids, params, adapter_id, tenant_id,
-            arrival_time=self.clock() if arrival_time is None else arrival_time,
-            cache_salt=cache_salt,
-        )  # fmt: skip
+        arrival = self.clock() if arrival_time is None else arrival_time
+        seq = Sequence(request_id, token_ids, params, adapter_id, tenant_id, arrival, cache_salt)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.config.torch_device)
             seq.generator.manual_seed(params.seed)
@@ -130,8 +127,7 @@ class LLMEngine(EngineQueries):
     def _postprocess(
         self, plan: SchedulerOutput, result: StepResult, started: float, loads: int
     ) -> list[RequestOutput]:
-        prefill = sum(s.num_new_tokens for s in plan.scheduled  # all but decodes' tokens
-                      if s.seq.num_computed_tokens + 1 < len(s.seq.token_ids))  # fmt: skip
+        prefill = plan.prefill_tokens()
         self.scheduler.advance(plan)
         now, outputs = self.clock(), []
         for seq, token, logprob in zip(result.sampled, result.tokens, result.logprobs, strict=True):
@@ -144,11 +140,10 @@ class LLMEngine(EngineQueries):
         self.stats.steps += 1
         self.stats.prompt_tokens += plan.num_tokens - len(result.sampled)
         self._step_finished(plan.num_tokens, time.perf_counter() - started)
-        adapters = {id(s.adapter): s.adapter.layout.nbytes for s in plan.scheduled if s.adapter}
-        record = StepRecord(
-            self.stats.steps, time.time(), time.perf_counter() - started, len(plan.scheduled),
-            len(adapters), sum(adapters.values()), prefill, self.adapters.stats.loads - loads,
-        )  # fmt: skip
+        seconds, adapters = time.perf_counter() - started, plan.adapter_bytes()
+        batch = (len(plan.scheduled), len(adapters), sum(adapters), prefill)
+        loads = self.adapters.stats.loads - loads
+        record = StepRecord(self.stats.steps, time.time(), seconds, *batch, loads)
         self.stats.recent_steps.append(record)
         self.step_log.write(record)
         return outputs
@@ -183,18 +178,24 @@ class LLMEngine(EngineQueries):
         seq.finish_reason, seq.finished_time = reason, self.clock()
         self.hooks.notify(
             "lora_guard_request_finished",
-            request=seq.view(), finish_reason=reason.value, error=seq.error,
-            retry_after=seq.retry_after, num_cached_tokens=seq.num_cached_tokens,
-        )  # fmt: skip
+            request=seq.view(),
+            finish_reason=reason.value,
+            error=seq.error,
+            retry_after=seq.retry_after,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
 
     def _step_finished(self, num_tokens: int, duration: float) -> None:
         if not self.hooks.has("lora_guard_step_finished"):
             return  # no observer: do not build the state view on the step loop
         self.hooks.notify(
             "lora_guard_step_finished",
-            state=self.scheduler.state(fresh=True), num_tokens=num_tokens, duration_s=duration,
-            kv_conflicts=self.blocks.stats.conflicts, cached_tokens=self.blocks.stats.hit_tokens,
-        )  # fmt: skip
+            state=self.scheduler.state(fresh=True),
+            num_tokens=num_tokens,
+            duration_s=duration,
+            kv_conflicts=self.blocks.stats.conflicts,
+            cached_tokens=self.blocks.stats.hit_tokens,
+        )
 
     def _decode(self, seq: Sequence) -> str:
         skip = seq.params.skip_special_tokens

@@ -267,9 +267,14 @@ class LlamaModel:
                 rows = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
                 mask = cols[None, :] <= rows[:, None]
             o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                qs,
+                ks,
+                vs,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scale,
                 enable_gqa=gqa,
-            )  # fmt: skip
+            )
             out[start : start + q_len] = o[0].transpose(0, 1)
         if attn.decode_rows is not None:
             assert attn.decode_slots is not None and attn.decode_mask is not None
@@ -278,9 +283,13 @@ class LlamaModel:
             kd = k_cache.index_select(0, flat).view(batch, ctx, s.num_kv_heads, s.head_dim)
             vd = v_cache.index_select(0, flat).view(batch, ctx, s.num_kv_heads, s.head_dim)
             o = F.scaled_dot_product_attention(
-                q[attn.decode_rows][:, :, None, :], kd.transpose(1, 2), vd.transpose(1, 2),
-                attn_mask=attn.decode_mask[:, None, None, :], scale=self.scale, enable_gqa=gqa,
-            )  # fmt: skip
+                q[attn.decode_rows][:, :, None, :],
+                kd.transpose(1, 2),
+                vd.transpose(1, 2),
+                attn_mask=attn.decode_mask[:, None, None, :],
+                scale=self.scale,
+                enable_gqa=gqa,
+            )
             out[attn.decode_rows] = o.squeeze(2)
         return out.view(q.shape[0], -1)
 

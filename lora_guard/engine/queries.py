@@ -89,18 +89,26 @@ class EngineQueries:
         adapters, blocks = self.scheduler.adapters, self.scheduler.blocks
         stats = adapters.stats
         return ResidencyFigures(
-            stats.loads, stats.evictions, tuple(stats.swap_ms), stats.peak_resident,
-            adapters.resident_adapters(), adapters.merged_mode, blocks.stats.conflicts,
+            stats.loads,
+            stats.evictions,
+            tuple(stats.swap_ms),
+            stats.peak_resident,
+            adapters.resident_adapters(),
+            adapters.merged_mode,
+            blocks.stats.conflicts,
             blocks.num_used_blocks,
-        )  # fmt: skip
+        )
 
     def memory(self) -> MemoryFigures:
         model, pool = self.runner.model, self.runner.pool
         merged = self.scheduler.adapters.merged_mode
         return MemoryFigures(
-            model.weight_bytes(), pool.nbytes(), pool.nbytes() // pool.num_pages,
-            model.merge_copy_bytes(), model.merge_transient_bytes() if merged else 0,
-        )  # fmt: skip
+            model.weight_bytes(),
+            pool.nbytes(),
+            pool.nbytes() // pool.num_pages,
+            model.merge_copy_bytes(),
+            model.merge_transient_bytes() if merged else 0,
+        )
 
     def step_bytes(self) -> int:
         """Bytes of base weights one step reads."""
@@ -160,11 +168,16 @@ class EngineQueries:
         rows = []
         for adapter_id, entry in sorted(adapters.registry.entries.items()):
             host = adapters.host.entries.get(adapter_id)
-            rows.append(AdapterRow(
-                adapter_id, _tier_name(adapters.tier(adapter_id).value), adapter_id in view.pinned,
-                host.rank if host else _config_rank(entry.path),
-                host.nbytes if host else _weights_bytes(entry.path), view.heat.get(adapter_id, 0),
-            ))  # fmt: skip
+            rows.append(
+                AdapterRow(
+                    adapter_id,
+                    _tier_name(adapters.tier(adapter_id).value),
+                    adapter_id in view.pinned,
+                    host.rank if host else _config_rank(entry.path),
+                    host.nbytes if host else _weights_bytes(entry.path),
+                    view.heat.get(adapter_id, 0),
+                )
+            )
         return rows
 
     def time_reload(self, adapter_id: str) -> ReloadTiming:

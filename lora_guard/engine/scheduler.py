@@ -58,6 +58,19 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
+    def prefill_tokens(self) -> int:
+        """Tokens of prompts computed in the step: all but decodes' (ask before it advances)."""
+        return sum(
+            s.num_new_tokens
+            for s in self.scheduled
+            if s.seq.num_computed_tokens + 1 < len(s.seq.token_ids)
+        )
+
+    def adapter_bytes(self) -> list[int]:
+        """Bytes of each distinct adapter the step computes with."""
+        adapters = {id(s.adapter): s.adapter.layout.nbytes for s in self.scheduled if s.adapter}
+        return list(adapters.values())
+
 
 class Scheduler:
     def __init__(
@@ -242,8 +255,9 @@ class Scheduler:
             try:
                 self._bring_in(seq, parked, need)
             except AdapterError as exc:
-                for other in [s for s in (*self.running, *self.waiting)
-                              if s.adapter_id == seq.adapter_id]:  # fmt: skip
+                for other in [
+                    s for s in (*self.running, *self.waiting) if s.adapter_id == seq.adapter_id
+                ]:
                     self.finish(other)
                     out.failed.append(Failure(other, str(exc)))
             except _Rejected as rejected:
@@ -258,9 +272,12 @@ class Scheduler:
         asks = need.adapter_id is not None and tier in (Lookup.WARM, Lookup.COLD)
         if asks and self.hooks.has("lora_guard_adapter_load"):
             decision = self.hooks.adapter_load(
-                request=seq.view(), tier=tier.value, state=self.state(), parked=parked,
+                request=seq.view(),
+                tier=tier.value,
+                state=self.state(),
+                parked=parked,
                 evicts=self.adapters.load_evicts(need),
-            )  # fmt: skip
+            )
             if isinstance(decision, Defer):
                 return
             if isinstance(decision, Reject):
@@ -344,10 +361,7 @@ class Scheduler:
             content_hash = need.content_hash if need is not None else None
             if entry is not None and self._never_fits(seq, entry):
                 self.finish(seq)
-                out.failed.append(Failure(seq, (
-                    f"the prompt and max_new_tokens with adapter {seq.adapter_id!r} need more "
-                    f"than the cache pool's {self.blocks.num_blocks} pages"
-                )))  # fmt: skip
+                out.failed.append(Failure(seq, self._too_long(seq)))
                 continue
             self.bind_cache(seq, content_hash)
             while not self.blocks.can_allocate(seq, budget, self.may_reuse):
@@ -361,6 +375,12 @@ class Scheduler:
             if need is not None:
                 self.adapters.use(need)
             budget = self.max_batch_tokens - out.num_tokens
+
+    def _too_long(self, seq: Sequence) -> str:
+        return (
+            f"the prompt and max_new_tokens with adapter {seq.adapter_id!r} need more than the "
+            f"cache pool's {self.blocks.num_blocks} pages"
+        )
 
     def _never_fits(self, seq: Sequence, entry: Resident) -> bool:
         tokens = seq.num_prompt_tokens + seq.params.max_new_tokens

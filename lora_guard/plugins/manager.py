@@ -88,8 +88,9 @@ def make_plugin_manager(
         try:
             pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
         except Exception as exc:
-            raise PluginError(f"a plugin of entry-point group {ENTRY_POINT_GROUP!r} failed to "
-                              f"load: {exc}") from exc  # fmt: skip
+            raise PluginError(
+                f"a plugin of entry-point group {ENTRY_POINT_GROUP!r} failed to load: {exc}"
+            ) from exc
     for spec in plugins:
         if pm.is_blocked(spec) or pm.has_plugin(spec):
             continue
@@ -175,9 +176,14 @@ class Hooks:
     ) -> AdapterDecision | None:
         try:
             result: AdapterDecision | None = self._decide(
-                self.pm.hook.lora_guard_adapter_load, request=request, tier=tier, state=state,
-                parked=parked, evicts=evicts, busy_ok=True,
-            )  # fmt: skip
+                self.pm.hook.lora_guard_adapter_load,
+                request=request,
+                tier=tier,
+                state=state,
+                parked=parked,
+                evicts=evicts,
+                busy_ok=True,
+            )
         except BusyRetry as busy:
             return Reject(str(busy), busy.retry_after)
         return result
@@ -199,8 +205,10 @@ class Hooks:
     ) -> Hashable | None:
         result: Hashable | None = self._decide(
             self.pm.hook.lora_guard_cache_namespace,
-            request=request, base_model_id=base_model_id, adapter_hash=adapter_hash,
-        )  # fmt: skip
+            request=request,
+            base_model_id=base_model_id,
+            adapter_hash=adapter_hash,
+        )
         return result
 
     def cache_reuse(
@@ -228,11 +236,15 @@ class Hooks:
             if busy_ok:
                 raise
             self.faults += 1
-            log.error("plugin raised BusyRetry from %s, where it means nothing (counted)",
-                      getattr(hook, "name", hook))  # fmt: skip
+            log.error(
+                "plugin raised BusyRetry from %s, where it means nothing (counted)",
+                getattr(hook, "name", hook),
+            )
             return None
         except Exception:
             self.faults += 1
-            log.exception("plugin fault in %s (counted; the engine default applies)",
-                          getattr(hook, "name", hook))  # fmt: skip
+            log.exception(
+                "plugin fault in %s (counted; the engine default applies)",
+                getattr(hook, "name", hook),
+            )
             return None

@@ -40,21 +40,29 @@ class ColdLoadBudget:
     @hookimpl
     def lora_guard_add_options(self, options: OptionRegistry) -> None:
         options.add(
-            "cold_loads_per_minute", int, 6,
+            "cold_loads_per_minute",
+            int,
+            6,
             "adapter loads that evict an adapter requests still need, allowed per minute",
-        )  # fmt: skip
+        )
         options.add(
-            "cold_queue_timeout", float, 10.0,
+            "cold_queue_timeout",
+            float,
+            10.0,
             "seconds a request waits in the ordered queue for the budget before it gets 429",
-        )  # fmt: skip
+        )
         options.add(
-            "low_watermark", float, 0.82,
+            "low_watermark",
+            float,
+            0.82,
             "evicting loads wait while KV blocks in use hold more than this share of the pool",
-        )  # fmt: skip
+        )
         options.add(
-            "high_watermark", float, 0.95,
+            "high_watermark",
+            float,
+            0.95,
             "above this share of the cache pool in use, new reads from disk wait",
-        )  # fmt: skip
+        )
 
     @hookimpl
     def lora_guard_configure(self, config: dict[str, Any]) -> None:

@@ -42,10 +42,13 @@ class DrainPolicy(LRUPolicy):
                 )
         resident = {v.adapter_id for v in state.slots if v.adapter_id is not None}
         starving = sorted(
-            (a for a, w in waited.items()
-             if w > DRAIN_AFTER_S and a not in resident and a not in self.draining.values()),
+            (
+                a
+                for a, w in waited.items()
+                if w > DRAIN_AFTER_S and a not in resident and a not in self.draining.values()
+            ),
             key=lambda a: -waited[a],
-        )  # fmt: skip
+        )
         for adapter in starving:
             eligible = [a for a in left if a not in self.draining]
             if not eligible:

@@ -51,10 +51,12 @@ class HotSetPolicy:
     @hookimpl
     def lora_guard_add_options(self, options: OptionRegistry) -> None:
         options.add(
-            "hot_set_size", int, None,
+            "hot_set_size",
+            int,
+            None,
             "adapters another tenant at its fair share may not evict, besides pinned ones "
             "(default: slots - 1; every adapter with heat when there is no seat cap)",
-        )  # fmt: skip
+        )
         # pin and heat_window_s are read by the engine, which keeps the pins and the heat
         options.add("pin", id_list, (), "adapter ids kept resident once loaded, never evicted")
         options.add(
@@ -64,9 +66,11 @@ class HotSetPolicy:
             "most distinct adapters among running requests (0: no cap; the seats bound each step)",
         )
         options.add(
-            "max_adapter_wait_s", float, 8.0,
+            "max_adapter_wait_s",
+            float,
+            8.0,
             "a request waiting this long goes ahead of all others and may displace any adapter",
-        )  # fmt: skip
+        )
         options.add("heat_window_s", float, 60.0, "sliding window of the heat count, seconds")
 
     @hookimpl
@@ -80,8 +84,9 @@ class HotSetPolicy:
         self.max_loras_per_batch = int(config.get("max_loras_per_batch", 0))
         self.max_wait_s = float(config.get("max_adapter_wait_s", 8.0))
         if (self.hot_set_size or 0) < 0 or self.max_loras_per_batch < 0 or self.max_wait_s <= 0:
-            raise ValueError("hot_set_size and max_loras_per_batch must be >= 0, "
-                             "max_adapter_wait_s > 0")  # fmt: skip
+            raise ValueError(
+                "hot_set_size and max_loras_per_batch must be >= 0, max_adapter_wait_s > 0"
+            )
 
     def hot_set(self, state: EngineState) -> set[str]:
         hottest = sorted(state.heat, key=lambda a: -state.heat[a])[: self.hot_set_size]
@@ -94,18 +99,29 @@ class HotSetPolicy:
         """Adapters that may leave for ``request``'s, in the order they should: those no running
         request uses, least heat per page first; ``forced``, then those too."""
         hot = self.hot_set(state)
-        movable = [v for v in state.slots
-                   if v.adapter_id is not None and v.evictable and v.adapter_id not in state.pinned
-                   and v.adapter_id != request.adapter_id]  # fmt: skip
+        movable = [
+            v
+            for v in state.slots
+            if v.adapter_id is not None
+            and v.evictable
+            and v.adapter_id not in state.pinned
+            and v.adapter_id != request.adapter_id
+        ]
         if not forced:
             tenants = {t for t, _ in state.tenant_heat}
             share = math.ceil(max(len(state.slots), 1) / max(len(tenants), 1))
             owners = {v.slot: _owner(state, v.adapter_id) for v in movable}
-            held = sum(1 for v in state.slots if v.adapter_id
-                       and _owner(state, v.adapter_id) == request.tenant_id)  # fmt: skip
+            held = sum(
+                1
+                for v in state.slots
+                if v.adapter_id and _owner(state, v.adapter_id) == request.tenant_id
+            )
             if self.seats and held >= share:
-                movable = [v for v in movable if v.adapter_id not in hot
-                           or owners[v.slot] in (request.tenant_id, None)]  # fmt: skip
+                movable = [
+                    v
+                    for v in movable
+                    if v.adapter_id not in hot or owners[v.slot] in (request.tenant_id, None)
+                ]
             movable = [v for v in movable if not v.refs]
 
         def value(v: SlotView) -> tuple[bool, float, float]:

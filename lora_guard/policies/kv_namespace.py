@@ -35,9 +35,11 @@ class KVNamespacePolicy:
             "what prefix-cache hits are confined to: adapter, or tenant (and adapter)",
         )
         options.add(
-            "kv_namespace_mode", str, "enforce",
+            "kv_namespace_mode",
+            str,
+            "enforce",
             "enforce, or observe: share KV across adapters and count the conflicts",
-        )  # fmt: skip
+        )
 
     @hookimpl
     def lora_guard_configure(self, config: dict[str, Any]) -> None:

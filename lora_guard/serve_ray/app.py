@@ -114,8 +114,11 @@ def named_replicas(app_name: str) -> dict[str, Any]:
     """The application's engine replicas by their Ray Serve id (Ray Serve names the actors
     ``SERVE_REPLICA::app#deployment#id``)."""
     prefix = f"SERVE_REPLICA::{app_name}#{ENGINE_DEPLOYMENT}#"
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].startswith(prefix)]  # fmt: skip
+    names = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(prefix)
+    ]
     return {name[len(prefix) :]: ray.get_actor(name, namespace="serve") for name in sorted(names)}
 
 
@@ -134,21 +137,29 @@ class Ingress:
         body = await request.body()
         path = "/" + path  # below the application's route prefix
         if request.method == "POST" and path.startswith(ADMIN_WRITES):
-            message = ("adapter administration is not available behind lora-guard serve-ray: it "
-                       "would change one replica only; give every replica the same adapters at "
-                       "start")  # fmt: skip
+            message = (
+                "adapter administration is not available behind lora-guard serve-ray: it "
+                "would change one replica only; give every replica the same adapters at "
+                "start"
+            )
             return JSONResponse({"error": message, "error_type": "not_supported"}, 501)
         model_id = await self._model_id(path, body, header_tenant(request.headers))
         handle = self.engine.options(stream=True, multiplexed_model_id=model_id or "")
-        forwarded = Forwarded(request.method, path, request.url.query.encode(),
-                              list(request.headers.items()), body)  # fmt: skip
+        forwarded = Forwarded(
+            request.method, path, request.url.query.encode(), list(request.headers.items()), body
+        )
         parts = handle.forward.remote(forwarded)
         try:
             head = await parts.__anext__()
         except Exception as exc:  # no replica could take it (replicas gone, or failing)
             log.warning("no engine replica answered %s %s: %s", request.method, path, exc)
-            return JSONResponse({"error": f"no engine replica answered: {type(exc).__name__}",
-                                 "error_type": "unavailable"}, 503)  # fmt: skip
+            return JSONResponse(
+                {
+                    "error": f"no engine replica answered: {type(exc).__name__}",
+                    "error_type": "unavailable",
+                },
+                503,
+            )
         assert isinstance(head, Head)
         headers = {k: v for k, v in head.headers if k.lower() not in _HOP_HEADERS}
         if request.method == "GET" and path == "/metrics" and head.status == 200:

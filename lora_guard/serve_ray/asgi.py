@@ -65,8 +65,10 @@ async def call_app(app: Any, request: Forwarded) -> AsyncIterator[Head | bytes]:
         while (message := await messages.get()) is not None:
             if message["type"] == "http.response.start":
                 started = True
-                headers = [(k.decode("latin-1"), v.decode("latin-1"))
-                           for k, v in message.get("headers", [])]  # fmt: skip
+                headers = [
+                    (k.decode("latin-1"), v.decode("latin-1"))
+                    for k, v in message.get("headers", [])
+                ]
                 yield Head(int(message["status"]), headers)
             elif message["type"] == "http.response.body":
                 if message.get("body"):

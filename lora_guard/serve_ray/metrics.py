@@ -90,8 +90,9 @@ def merge_metrics(texts: Mapping[str, str]) -> str:
         lines.append(f"# TYPE {name} {kind}")
         for (sample_name, labels), value in rows.items():
             rendered = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
-            lines.append(f"{sample_name}{{{rendered}}} {value!r}" if labels
-                         else f"{sample_name} {value!r}")  # fmt: skip
+            lines.append(
+                f"{sample_name}{{{rendered}}} {value!r}" if labels else f"{sample_name} {value!r}"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -64,8 +64,12 @@ def parser() -> argparse.ArgumentParser:
         "every replica (see docs/scale-out.md)",
     )
     p.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
-    p.add_argument("--router", choices=ROUTERS, default="lora-guard",
-                   help="lora-guard (adapter affinity, default) or ray-default")  # fmt: skip
+    p.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default="lora-guard",
+        help="lora-guard (adapter affinity, default) or ray-default",
+    )
     p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per replica (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per replica (default 1)")
     p.add_argument(
@@ -92,8 +96,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str]) -> int:
     args, serve_argv = parser().parse_known_args(list(argv))
-    small = [name for name in ("replicas", "threads", "max_ongoing_requests", "spread_queue")
-             if getattr(args, name) is not None and getattr(args, name) < 1]  # fmt: skip
+    small = [
+        name
+        for name in ("replicas", "threads", "max_ongoing_requests", "spread_queue")
+        if getattr(args, name) is not None and getattr(args, name) < 1
+    ]
     if small or args.stats_period <= 0 or args.replica_cpus < 0:
         what = (
             f"--{small[0].replace('_', '-')} must be at least 1"
@@ -113,16 +120,23 @@ def main(argv: Sequence[str]) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):  # after Ray's start, so that they are ours
             signal.signal(sig, lambda *_: stop.set())
         url = start(
-            serve_argv, args.replicas, router=args.router, replica_cpus=args.replica_cpus,
-            threads=args.threads, max_ongoing_requests=args.max_ongoing_requests,
-            stats_period_s=args.stats_period, spread_queue=args.spread_queue,
-        )  # fmt: skip
+            serve_argv,
+            args.replicas,
+            router=args.router,
+            replica_cpus=args.replica_cpus,
+            threads=args.threads,
+            max_ongoing_requests=args.max_ongoing_requests,
+            stats_period_s=args.stats_period,
+            spread_queue=args.spread_queue,
+        )
     except Exception as exc:  # a replica that cannot start fails the deployment
         print(f"lora-guard serve-ray: error: {exc}", file=sys.stderr)
         _shutdown()
         return 1
-    print(f"lora-guard serve-ray: {args.replicas} replicas on {url} (router {args.router})",
-          flush=True)  # fmt: skip
+    print(
+        f"lora-guard serve-ray: {args.replicas} replicas on {url} (router {args.router})",
+        flush=True,
+    )
     while not stop.wait(1.0):
         pass
     _shutdown()

@@ -49,8 +49,13 @@ def routing_stats(engine: LLMEngine) -> dict[str, Any]:
     resident = sorted(v.adapter_id for v in state.slots if v.adapter_id is not None)
     max_loras = int(engine.config.max_loras)
     adapter_bytes = int(state.pool_bytes.get("adapter", 0))
-    free = room(max_loras, len(state.free_slots), len(resident), adapter_bytes,
-                int(state.pool_bytes.get("free", 0)))  # fmt: skip
+    free = room(
+        max_loras,
+        len(state.free_slots),
+        len(resident),
+        adapter_bytes,
+        int(state.pool_bytes.get("free", 0)),
+    )
     return {
         "resident": resident,
         "pinned": sorted(state.pinned),

@@ -21,8 +21,11 @@ class APIError(Exception):
     ) -> None:
         super().__init__(error)
         self.status, self.error, self.error_type, self.retry_after = (
-            status, error, error_type, retry_after,
-        )  # fmt: skip
+            status,
+            error,
+            error_type,
+            retry_after,
+        )
 
     def body(self) -> dict[str, str]:
         return {"error": self.error, "error_type": self.error_type}

@@ -53,8 +53,9 @@ def _inside_adapter_dirs(state: ServerState, name: str, path: str | None) -> tup
     a configured adapter directory (no `..`, no absolute path elsewhere, no symlink leading out)."""
     roots = [d.expanduser().resolve() for d in state.adapter_dirs]
     if not roots:
-        raise APIError(403, "no adapter directory is configured: start with --adapter-dir",
-                       "forbidden")  # fmt: skip
+        raise APIError(
+            403, "no adapter directory is configured: start with --adapter-dir", "forbidden"
+        )
     candidates = [Path(path).expanduser()] if path else [root / name for root in roots]
     for candidate in candidates:
         resolved = (candidate if candidate.is_absolute() else roots[0] / candidate).resolve()
@@ -63,8 +64,7 @@ def _inside_adapter_dirs(state: ServerState, name: str, path: str | None) -> tup
                 if resolved.is_dir():
                     return resolved, root
                 raise not_found(f"no adapter folder at {candidate}")
-    raise APIError(403, "lora_path must lie inside the configured adapter directories",
-                   "forbidden")  # fmt: skip
+    raise APIError(403, "lora_path must lie inside the configured adapter directories", "forbidden")
 
 
 @router.get("/adapters")

@@ -38,14 +38,18 @@ def _ask(body: ChatCompletionRequest | CompletionRequest, text: str) -> Ask:
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
     sampling = dict(
-        do_sample=not greedy, temperature=None if greedy else body.temperature,
+        do_sample=not greedy,
+        temperature=None if greedy else body.temperature,
         top_p=None if greedy or body.top_p in (None, 1.0) else body.top_p,
         top_k=None if greedy or body.top_k in (None, -1, 0) else body.top_k,
-        seed=body.seed, stop=stop, repetition_penalty=body.repetition_penalty,
-        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+        seed=body.seed,
+        stop=stop,
+        repetition_penalty=body.repetition_penalty,
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
         stop_token_ids=list(body.stop_token_ids or []),
         skip_special_tokens=body.skip_special_tokens,
-    )  # fmt: skip
+    )
     return Ask(text, body.model, max_tokens, sampling, openai=True)
 
 
@@ -227,6 +231,13 @@ async def models(request: Request) -> dict[str, Any]:
     created = int(time.time())
     data = [{"id": state.model_id, "object": "model", "created": created, "owned_by": "lora-guard"}]
     for adapter_id in state.llm.adapter_ids():
-        data.append({"id": adapter_id, "object": "model", "created": created,
-                     "owned_by": "lora-guard", "parent": state.model_id})  # fmt: skip
+        data.append(
+            {
+                "id": adapter_id,
+                "object": "model",
+                "created": created,
+                "owned_by": "lora-guard",
+                "parent": state.model_id,
+            }
+        )
     return {"object": "list", "data": data}

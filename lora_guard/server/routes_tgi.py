@@ -37,9 +37,14 @@ def _ask(body: GenerateRequest) -> Ask:
     if p.seed is not None and p.seed < 0:
         raise validation("`seed` must be a non-negative integer")
     sampling = dict(
-        do_sample=p.do_sample, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-        seed=p.seed, repetition_penalty=p.repetition_penalty, stop=list(p.stop),
-    )  # fmt: skip
+        do_sample=p.do_sample,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        seed=p.seed,
+        repetition_penalty=p.repetition_penalty,
+        stop=list(p.stop),
+    )
     return Ask(body.inputs, p.adapter_id, p.max_new_tokens, sampling, truncate=p.truncate)
 
 
@@ -84,8 +89,13 @@ async def _stream(body: GenerateRequest, request: Request) -> Response:
         async for out in run.outputs():
             for token in _tokens(state, out, sent):
                 index += 1
-                event: dict[str, Any] = {"index": index, "token": token, "top_tokens": [],
-                                         "generated_text": None, "details": None}  # fmt: skip
+                event: dict[str, Any] = {
+                    "index": index,
+                    "token": token,
+                    "top_tokens": [],
+                    "generated_text": None,
+                    "details": None,
+                }
                 if out.finished and index == len(out.token_ids):
                     event["generated_text"] = _text(body, out)
                     event["details"] = {

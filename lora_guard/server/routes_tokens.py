@@ -32,8 +32,9 @@ async def tokenize(
 ) -> list[dict[str, Any]] | dict[str, Any]:
     state = state_of(request)
     if isinstance(body, TokenizeRequest):
-        encoding = state.tokenizer(body.inputs, return_offsets_mapping=True,
-                                   add_special_tokens=False)  # fmt: skip
+        encoding = state.tokenizer(
+            body.inputs, return_offsets_mapping=True, add_special_tokens=False
+        )
         return [
             {"id": i, "text": body.inputs[a:b], "start": a, "stop": b}
             for i, (a, b) in zip(encoding["input_ids"], encoding["offset_mapping"], strict=True)
@@ -52,8 +53,12 @@ async def tokenize(
             _encode(state, text, True) if body.add_special_tokens else encode_text(tokenizer, text)
         )
     strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-    return {"count": len(ids), "max_model_len": state.limits.max_total_tokens, "tokens": ids,
-            "token_strs": strs}  # fmt: skip
+    return {
+        "count": len(ids),
+        "max_model_len": state.limits.max_total_tokens,
+        "tokens": ids,
+        "token_strs": strs,
+    }
 
 
 @router.post("/detokenize")

@@ -35,8 +35,10 @@ def limits_for(engine: LLMEngine, settings: dict[str, Any]) -> Limits:
         return SETTINGS_BY_NAME[name].default if value is None else int(value)
 
     max_total = min(get("max_total_tokens") or engine.max_model_len, engine.max_model_len)
-    tokens = {"max_input_tokens": get("max_input_tokens") or max_total - 1,
-              "max_total_tokens": max_total}  # fmt: skip
+    tokens = {
+        "max_input_tokens": get("max_input_tokens") or max_total - 1,
+        "max_total_tokens": max_total,
+    }
     if not INPUT_BELOW_TOTAL.settle(tokens, lambda name: False):
         raise ValueError(INPUT_BELOW_TOTAL.message(lambda name: f"{name} ({tokens[name]})"))
     return Limits(
@@ -110,9 +112,12 @@ def state_for(
     from lora_guard.metrics import metrics_of
 
     return ServerState(
-        AsyncEngine(engine), limits_for(engine, settings), metrics=metrics_of(engine.hooks.pm),
-        keys=keys, adapter_dirs=list(adapter_dirs or []),
-    )  # fmt: skip
+        AsyncEngine(engine),
+        limits_for(engine, settings),
+        metrics=metrics_of(engine.hooks.pm),
+        keys=keys,
+        adapter_dirs=list(adapter_dirs or []),
+    )
 
 
 class _Server(uvicorn.Server):
@@ -143,9 +148,16 @@ def serve(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=GRACE_S
     )
     if keys is None:
-        log.warning("no --api-key-file: every route is open to whoever reaches the port, "
-                    "adapter administration and /metrics included")  # fmt: skip
-    log.info("serving %s with %d adapters on http://%s:%d", engine.model_id,
-             len(engine.adapter_ids()), host, port)  # fmt: skip
+        log.warning(
+            "no --api-key-file: every route is open to whoever reaches the port, "
+            "adapter administration and /metrics included"
+        )
+    log.info(
+        "serving %s with %d adapters on http://%s:%d",
+        engine.model_id,
+        len(engine.adapter_ids()),
+        host,
+        port,
+    )
     _Server(config).run()
     return 0

@@ -183,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"forbidden: {source} imports {target}")
     for module, line, expression in reads:
         print(f"reach-through: {module}:{line} reads {expression}")
-    print(f"{len(graph)} modules, {len(loops)} circles, {len(bad)} forbidden imports, "
-          f"{len(reads)} reach-throughs")  # fmt: skip
+    print(
+        f"{len(graph)} modules, {len(loops)} circles, {len(bad)} forbidden imports, "
+        f"{len(reads)} reach-throughs"
+    )
     return 1 if loops or bad or reads else 0
 
 

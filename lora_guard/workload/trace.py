@@ -141,8 +141,9 @@ def make_trace(spec: WorkloadSpec, adapter_ids: Sequence[str]) -> list[TraceRequ
         start = arrivals[middle].time
         del arrivals[middle : middle + BURST_ADAPTERS]
         first = len(adapters) - BURST_ADAPTERS
-        arrivals += [request(start + 0.01 * k, spec.tenants, first + k)
-                     for k in range(BURST_ADAPTERS)]  # fmt: skip
+        arrivals += [
+            request(start + 0.01 * k, spec.tenants, first + k) for k in range(BURST_ADAPTERS)
+        ]
     if spec.scenario == "tenant-storm":
         # Over the middle third, tenant 0 adds STORM_FACTOR times the other tenants' arrivals
         # there, on its own adapters (the trace grows by the flood).

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 SCHEMES = {"static", "on-demand", "lru", "lora-guard", "lora-guard-observe", "peft"}
+# one row a line, as a table reads (fmt: skip)
 KEYS = {
     "requests", "completed", "retries", "peak_memory_ratio", "swap_ms_p50", "swap_ms_p95",
     "tail_tokens_per_s", "median_tokens_per_s", "ttft_p50_ms", "ttft_p95_ms", "tokens_per_s",
@@ -23,11 +24,23 @@ KEYS = {
 def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, Path]:  # type: ignore[type-arg]
     out = tmp_path_factory.mktemp("bench")
     done = subprocess.run(
-        [sys.executable, "-m", "lora_guard.cli", "bench", "--quick", "--json",
-         str(out / "report.json"), "--plots", str(out / "plots"),
-         "--write-trace", str(out / "trace.jsonl")],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "lora_guard.cli",
+            "bench",
+            "--quick",
+            "--json",
+            str(out / "report.json"),
+            "--plots",
+            str(out / "plots"),
+            "--write-trace",
+            str(out / "trace.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((out / "report.json").read_text()), done.stdout, out
 
@@ -103,8 +116,10 @@ def test_the_trace_and_plots_are_written(quick: tuple) -> None:  # type: ignore[
 def test_an_unknown_scheme_is_refused_before_anything_runs() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "lora_guard.cli", "bench", "--quick", "--schemes", "lru,magic"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "unknown scheme 'magic'" in done.stderr
 
@@ -114,10 +129,23 @@ def test_turns_replay_the_trace_again_with_the_schemes_in_the_other_order(
 ) -> None:
     report = tmp_path / "turns.json"
     done = subprocess.run(
-        [sys.executable, "-m", "lora_guard.cli", "bench", "--quick", "--schemes",
-         "static,lora-guard", "--turns", "2", "--json", str(report)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "lora_guard.cli",
+            "bench",
+            "--quick",
+            "--schemes",
+            "static,lora-guard",
+            "--turns",
+            "2",
+            "--json",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(report.read_text())
     runs = [(p["seed"], p["turn"], p["order"]) for p in found["per_seed"]]
@@ -126,8 +154,10 @@ def test_turns_replay_the_trace_again_with_the_schemes_in_the_other_order(
         assert list(part["schemes"]) == ["static", "lora-guard"]  # reported in the order given
         assert part["schemes"]["lora-guard"]["completed"] == 32
     tail = found["compass"]["tail tok/s vs static"]
-    assert len(tail["per_seed"]) == 2 and tail["spread"] == [min(tail["per_seed"]),
-                                                             max(tail["per_seed"])]  # fmt: skip
+    assert len(tail["per_seed"]) == 2 and tail["spread"] == [
+        min(tail["per_seed"]),
+        max(tail["per_seed"]),
+    ]
     assert found["schemes"]["lora-guard"]["completed"] == 64  # both turns' requests
     steps = found["per_seed"][0]["schemes"]["lora-guard"]["steps"]
     assert steps["steps"] > 0 and steps["prefill_tokens"] > 0 and steps["mean_adapters"] > 0
@@ -137,8 +167,14 @@ def test_turns_replay_the_trace_again_with_the_schemes_in_the_other_order(
 
 
 def test_turns_are_refused_against_a_target_and_must_be_positive() -> None:
-    for argv, message in ((["--target", "http://127.0.0.1:9", "--turns", "2"], "--turns"),
-                          (["--quick", "--turns", "0"], "at least 1")):  # fmt: skip
-        done = subprocess.run([sys.executable, "-m", "lora_guard.cli", "bench", *argv],
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+    for argv, message in (
+        (["--target", "http://127.0.0.1:9", "--turns", "2"], "--turns"),
+        (["--quick", "--turns", "0"], "at least 1"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "lora_guard.cli", "bench", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]

@@ -12,14 +12,29 @@ from lora_guard.demo.testing import AdapterFactory
 
 
 def test_the_engine_bench_runs_the_engine_and_peft_in_turn_and_prints_each_runs_ratios(
-    tiny_model: Path, tiny_adapters: AdapterFactory, tmp_path: Path,
+    tiny_model: Path,
+    tiny_adapters: AdapterFactory,
+    tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+) -> None:
     adapters = tiny_adapters(2, "speed", ranks=(4, 8), all_projections=True)
     out = tmp_path / "speed.json"
-    argv = ["--model", str(tiny_model), "--adapter-dir", str(next(iter(adapters.values())).parent),
-            "--adapters", "2", "--batches", "1,4", "--new-tokens", "4", "--repeats", "2",
-            "--json", str(out)]  # fmt: skip
+    argv = [
+        "--model",
+        str(tiny_model),
+        "--adapter-dir",
+        str(next(iter(adapters.values())).parent),
+        "--adapters",
+        "2",
+        "--batches",
+        "1,4",
+        "--new-tokens",
+        "4",
+        "--repeats",
+        "2",
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "medians of 2 runs; each run's ratios:" in printed
@@ -37,14 +52,27 @@ def test_the_engine_bench_runs_the_engine_and_peft_in_turn_and_prints_each_runs_
 
 
 def test_the_engine_bench_mixes_the_adapters_named_and_refuses_an_unknown_one(
-    tiny_model: Path, tiny_adapters: AdapterFactory, tmp_path: Path,
+    tiny_model: Path,
+    tiny_adapters: AdapterFactory,
+    tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+) -> None:
     adapters = tiny_adapters(3, "pick", ranks=(4, 8), all_projections=True)
     folder = str(next(iter(adapters.values())).parent)
     chosen = sorted(adapters)[2]
-    argv = ["--model", str(tiny_model), "--adapter-dir", folder, "--adapter-ids", chosen,
-            "--batches", "1", "--new-tokens", "4", "--skip-peft"]  # fmt: skip
+    argv = [
+        "--model",
+        str(tiny_model),
+        "--adapter-dir",
+        folder,
+        "--adapter-ids",
+        chosen,
+        "--batches",
+        "1",
+        "--new-tokens",
+        "4",
+        "--skip-peft",
+    ]
     assert main(argv) == 0
     assert f"mixed batches cycle over 1 adapters: {chosen};" in capsys.readouterr().out
     assert main([*argv[:4], "--adapter-ids", "nobody", "--skip-peft"]) == 2

@@ -15,8 +15,13 @@ from lora_guard.workload.trace import WorkloadSpec, make_trace
 
 
 def _scheme(**figures: object) -> dict[str, object]:
-    base: dict[str, object] = {"requests": 10, "completed": 10, "kv_conflicts": 0,
-                               "oracle_mismatches": 0, "seeds": [0]}  # fmt: skip
+    base: dict[str, object] = {
+        "requests": 10,
+        "completed": 10,
+        "kv_conflicts": 0,
+        "oracle_mismatches": 0,
+        "seeds": [0],
+    }
     return base | figures
 
 
@@ -76,29 +81,45 @@ def test_the_hit_rate_is_held_against_its_own_bound() -> None:
 
 def test_a_run_set_built_to_miss_prints_missed_on_every_target() -> None:
     """Each target that can be judged fails a run set made to fail it: none is met by default."""
-    static = _scheme(tail_tokens_per_s=10.0, ttft_p95_ms=100.0, peak_rss_mib=1000.0,
-                     peak_memory_mib=500.0)  # fmt: skip
-    bad = _scheme(tail_tokens_per_s=5.0, ttft_p95_ms=500.0, peak_rss_mib=1200.0,
-                  peak_memory_mib=500.0, hit_rate=0.2, hit_rate_bound=0.8, evictions=9)  # fmt: skip
+    static = _scheme(
+        tail_tokens_per_s=10.0, ttft_p95_ms=100.0, peak_rss_mib=1000.0, peak_memory_mib=500.0
+    )
+    bad = _scheme(
+        tail_tokens_per_s=5.0,
+        ttft_p95_ms=500.0,
+        peak_rss_mib=1200.0,
+        peak_memory_mib=500.0,
+        hit_rate=0.2,
+        hit_rate_bound=0.8,
+        evictions=9,
+    )
     clean = bad | {"hit_rate": 0.8}
     # one run of three breaks the zero-tolerance counts: a median of (0, 1, 0) would say 0
     broken = clean | {"kv_conflicts": 1, "oracle_mismatches": 2}
     runs = [{"static": static, "lora-guard": one} for one in (broken, bad, bad)]
     found = compass(runs)
-    judged = ["tail tok/s vs static", "TTFT p95 vs static", "peak RSS vs static",
-              "hit rate vs its bound", "kv conflicts", "oracle mismatches"]  # fmt: skip
+    judged = [
+        "tail tok/s vs static",
+        "TTFT p95 vs static",
+        "peak RSS vs static",
+        "hit rate vs its bound",
+        "kv conflicts",
+        "oracle mismatches",
+    ]
     assert {name: found[name]["met"] for name in judged} == dict.fromkeys(judged, False)
     assert found["kv conflicts"]["value"] == 1 and found["oracle mismatches"]["value"] == 2
     assert found["peak RSS vs static"]["value"] == pytest.approx(1.2)
     lines = compass_lines(found, seeds=3)
     for name in judged:
-        assert any(line.startswith(f"lora-guard {name}:") and line.endswith(": missed")
-                   for line in lines), name  # fmt: skip
+        assert any(
+            line.startswith(f"lora-guard {name}:") and line.endswith(": missed") for line in lines
+        ), name
 
 
 def test_targets_a_run_set_cannot_tell_say_why_instead_of_met() -> None:
-    same = _scheme(tokens_per_s=40.0, peak_memory_mib=500.0, hit_rate=1.0, hit_rate_bound=1.0,
-                   evictions=0)  # fmt: skip
+    same = _scheme(
+        tokens_per_s=40.0, peak_memory_mib=500.0, hit_rate=1.0, hit_rate_bound=1.0, evictions=0
+    )
     peer = _scheme(tokens_per_s=4.0)
     found = compass([{"static": same, "lora-guard": same, "peft": peer, "vllm": peer}])
     hit = found["hit rate vs its bound"]

@@ -67,8 +67,9 @@ def test_targets_built_to_miss_print_missed() -> None:
 
 def test_llama_server_gets_a_slot_per_client_every_core_and_every_adapter() -> None:
     adapters = [Path("/g/a.gguf"), Path("/g/b.gguf")]
-    launch = llama_cpp_launch(Path("/bin/llama-server"), Path("/g/m.gguf"), adapters, 9000,
-                              parallel=32, cores={0, 1})  # fmt: skip
+    launch = llama_cpp_launch(
+        Path("/bin/llama-server"), Path("/g/m.gguf"), adapters, 9000, parallel=32, cores={0, 1}
+    )
     command = launch.command
     assert command[command.index("--parallel") + 1] == "32"
     assert command[command.index("--ctx-size") + 1] == str(32 * SLOT_TOKENS)
@@ -89,14 +90,42 @@ def test_one_command_sweeps_lora_guard_and_peft_over_http(
     folder = next(iter(tiny_adapters(3, "sweep").values())).parent
     out = tmp_path / "sweep.json"
     done = subprocess.run(
-        [sys.executable, "-m", "lora_guard.cli", "bench", "--sweep", "1,2", "--systems",
-         "lora-guard,peft", "--model", str(tiny_model), "--adapter-dir", str(folder),
-         "--adapters", "3", "--tenants", "2", "--requests", "6", "--output-mean", "6",
-         "--base-share", "0.3",  # base-model requests too, by each server's name for it
-         "--system-prompt-words", "8", "--user-words", "4", "--kv-cache-memory", "64MiB",
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "lora_guard.cli",
+            "bench",
+            "--sweep",
+            "1,2",
+            "--systems",
+            "lora-guard,peft",
+            "--model",
+            str(tiny_model),
+            "--adapter-dir",
+            str(folder),
+            "--adapters",
+            "3",
+            "--tenants",
+            "2",
+            "--requests",
+            "6",
+            "--output-mean",
+            "6",
+            "--base-share",
+            "0.3",  # base-model requests too, by each server's name for it
+            "--system-prompt-words",
+            "8",
+            "--user-words",
+            "4",
+            "--kv-cache-memory",
+            "64MiB",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     modules = {"lora-guard": "lora_guard.cli", "peft": "lora_guard.bench.peft_server"}

@@ -13,8 +13,18 @@ import pytest
 from lora_guard.bench.virtual_time import main
 from lora_guard.workload.trace import TraceError
 
-ARGS = ["--requests", "16", "--adapters", "8", "--max-loras", "2", "--output-mean", "24",
-        "--schemes", "lru,lora-guard"]  # fmt: skip
+ARGS = [
+    "--requests",
+    "16",
+    "--adapters",
+    "8",
+    "--max-loras",
+    "2",
+    "--output-mean",
+    "24",
+    "--schemes",
+    "lru,lora-guard",
+]
 
 
 def test_the_same_command_gives_the_same_figures_on_a_busy_machine(
@@ -56,8 +66,20 @@ def test_every_rival_and_lora_guard_stay_under_the_bound_under_pressure(tmp_path
 
     out = tmp_path / "pressure.json"
     schemes = [s for s in SCHEMES if s != "base"]
-    argv = ["--scenario", "pressure", "--adapters", "30", "--requests", "40",
-            "--output-mean", "12", "--schemes", ",".join(schemes), "--json", str(out)]  # fmt: skip
+    argv = [
+        "--scenario",
+        "pressure",
+        "--adapters",
+        "30",
+        "--requests",
+        "40",
+        "--output-mean",
+        "12",
+        "--schemes",
+        ",".join(schemes),
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     pool = report["runs"][0]["pool"]
@@ -76,10 +98,18 @@ def test_a_trace_file_is_replayed_with_the_adapters_it_names_made_at_their_ranks
     tmp_path: Path,
 ) -> None:
     trace = tmp_path / "mine.jsonl"
-    lines = [{"id": f"q{i}", "time": 0.5 * i, "tenant": f"t{i % 2}", "prompt_len": 12,
-              "max_new_tokens": 8, "adapter_id": ("small", "large", None)[i % 3],
-              **({"rank": 64} if i % 3 == 1 else {"rank": 8} if i % 3 == 0 else {})}
-             for i in range(12)]  # fmt: skip
+    lines = [
+        {
+            "id": f"q{i}",
+            "time": 0.5 * i,
+            "tenant": f"t{i % 2}",
+            "prompt_len": 12,
+            "max_new_tokens": 8,
+            "adapter_id": ("small", "large", None)[i % 3],
+            **({"rank": 64} if i % 3 == 1 else {"rank": 8} if i % 3 == 0 else {}),
+        }
+        for i in range(12)
+    ]
     trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
     out = tmp_path / "trace.json"
     assert main(["--trace", str(trace), "--schemes", "lru,lora-guard", "--json", str(out)]) == 0

@@ -11,8 +11,13 @@ from lora_guard.bench.replay import EngineOptions
 from lora_guard.bench.vllm_peer import cpu_list, vllm_launch
 from lora_guard.engine.config import parse_memory
 
-OPTIONS = EngineOptions(model="/models/m", adapter_dir="/adapters", max_loras=4,
-                        kv_cache_memory="768MiB", dtype="bfloat16")  # fmt: skip
+OPTIONS = EngineOptions(
+    model="/models/m",
+    adapter_dir="/adapters",
+    max_loras=4,
+    kv_cache_memory="768MiB",
+    dtype="bfloat16",
+)
 
 
 def flag(command: list[str], name: str) -> str:

@@ -56,8 +56,13 @@ def answers(demo: DemoPaths) -> dict[str | None, list[str]]:
 
 
 def _answers(demo: DemoPaths) -> dict[str | None, list[str]]:
-    llm = LLM(demo.model_dir, adapter_dir=demo.adapter_dir, kv_cache_memory="256MiB",
-              dtype="float32", device="cpu")  # fmt: skip
+    llm = LLM(
+        demo.model_dir,
+        adapter_dir=demo.adapter_dir,
+        kv_cache_memory="256MiB",
+        dtype="float32",
+        device="cpu",
+    )
     chats = [[{"role": "user", "content": q}] for q in HELD_OUT]
     prompts = [llm.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in chats]
     adapters: list[str | None] = [None, *PERSONAS]

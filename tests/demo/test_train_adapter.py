@@ -78,9 +78,24 @@ def test_training_writes_a_small_attention_only_peft_adapter(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "brief"
-    proc = _train("--model", str(tiny_model), "--system-prompt", "Answer briefly.",
-                  "--out", str(out), "--questions", "12", "--steps", "3", "--batch-size", "4",
-                  "--rank", "4", "--threads", "1")  # fmt: skip
+    proc = _train(
+        "--model",
+        str(tiny_model),
+        "--system-prompt",
+        "Answer briefly.",
+        "--out",
+        str(out),
+        "--questions",
+        "12",
+        "--steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--rank",
+        "4",
+        "--threads",
+        "1",
+    )
     assert proc.returncode == 0, proc.stderr
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["peft_type"] == "LORA"

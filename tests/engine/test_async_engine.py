@@ -91,8 +91,12 @@ def test_time_to_first_token_counts_from_the_callers_arrival(engine: AsyncEngine
 
     def ttft_sum() -> float:
         text = plugin.render().decode()
-        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                   if s.name == "vllm:time_to_first_token_seconds_sum")  # fmt: skip
+        return sum(
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "vllm:time_to_first_token_seconds_sum"
+        )
 
     async def one(arrival: float | None) -> None:
         params = SamplingParams(max_new_tokens=2, ignore_eos=True)

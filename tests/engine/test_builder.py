@@ -44,8 +44,9 @@ def test_no_part_holds_the_engine_or_its_methods(
         assert engine.runner.kv_cache is engine.runner.pool.kv
         if policies == "on-demand":  # the merge into the base weights is the runner's
             assert getattr(engine.adapters.merge, "__self__", None) is engine.runner
-        outs = llm.generate(["hello there", "hello"], SamplingParams(max_new_tokens=3),
-                            adapter_ids=["b-00", None])  # fmt: skip
+        outs = llm.generate(
+            ["hello there", "hello"], SamplingParams(max_new_tokens=3), adapter_ids=["b-00", None]
+        )
         assert [len(o.token_ids) for o in outs] == [3, 3]
         engine.check_no_leaks()
     finally:

@@ -53,8 +53,9 @@ def test_an_engine_keeps_time_on_the_clock_it_is_given(
 ) -> None:
     clock, seen = FakeClock(), Seen()
     (adapter_id,) = adapters
-    llm = LLM(tiny_model, adapters=dict(adapters), cache_memory="16MiB", policies="lru",
-              clock=clock)  # fmt: skip
+    llm = LLM(
+        tiny_model, adapters=dict(adapters), cache_memory="16MiB", policies="lru", clock=clock
+    )
     engine = llm.engine
     engine.hooks.pm.register(seen, name="seen")
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)

@@ -10,9 +10,15 @@ from lora_guard.engine.config import ConfigError, EngineConfig, parse_memory
 
 @pytest.mark.parametrize(
     ("text", "size"),
-    [("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1.5 GiB", 3 * 2**29), ("4096", 4096),
-     (1024, 1024), ("64kib", 64 * 1024)],
-)  # fmt: skip
+    [
+        ("512MiB", 512 * 2**20),
+        ("2GB", 2 * 10**9),
+        ("1.5 GiB", 3 * 2**29),
+        ("4096", 4096),
+        (1024, 1024),
+        ("64kib", 64 * 1024),
+    ],
+)
 def test_memory_sizes(text: str | int, size: int) -> None:
     assert parse_memory(text) == size
 

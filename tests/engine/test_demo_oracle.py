@@ -14,8 +14,14 @@ NEW_TOKENS = 12
 @pytest.mark.slow
 def test_demo_mixed_batch_matches_transformers_and_peft(demo: DemoPaths) -> None:
     names = ["demo-00", "demo-05", "demo-06", "demo-11", "demo-23"]  # ranks 8 to 64, rsLoRA, MLP
-    llm = LLM(demo.model_dir, adapter_dir=demo.adapter_dir, kv_cache_memory="256MiB",
-              max_loras=3, dtype="float32", device="cpu")  # fmt: skip
+    llm = LLM(
+        demo.model_dir,
+        adapter_dir=demo.adapter_dir,
+        kv_cache_memory="256MiB",
+        max_loras=3,
+        dtype="float32",
+        device="cpu",
+    )
     tok = llm.tokenizer
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     shared = list(tok.apply_chat_template(chat, add_generation_prompt=True))

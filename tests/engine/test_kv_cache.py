@@ -403,9 +403,14 @@ def test_can_append_says_whether_the_next_tokens_fit() -> None:
 def test_copy_block_copies_keys_and_values_of_one_block() -> None:
     block_size = 4
     cache = KVCache.zeros(
-        num_layers=2, num_blocks=4, block_size=block_size, kv_heads=2, head_dim=8,
-        dtype=torch.float32, device=torch.device("cpu"),
-    )  # fmt: skip
+        num_layers=2,
+        num_blocks=4,
+        block_size=block_size,
+        kv_heads=2,
+        head_dim=8,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     generator = torch.Generator().manual_seed(0)
     cache.k.copy_(torch.randn(cache.k.shape, generator=generator))
     cache.v.copy_(torch.randn(cache.v.shape, generator=generator))

@@ -60,16 +60,20 @@ def test_a_merge_into_blocked_weights_changes_the_logits_and_unmerges_exactly(
     plain = LlamaModel(tiny_model, torch.float32, CPU, blocked=False)
     assert blocked.blocked and not plain.blocked
     adapter = read_adapter("merge-0", path, blocked.spec, 64)
-    before = {(i, name): p.dense() for i, layer in enumerate(blocked.layers)
-              for name, p in layer.projections.items()}  # fmt: skip
+    before = {
+        (i, name): p.dense()
+        for i, layer in enumerate(blocked.layers)
+        for name, p in layer.projections.items()
+    }
     for model in (blocked, plain):
         model.merge_lora(adapter.weights)
     for i, name in before:
         merged_blocked = blocked.layers[i].projections[name].dense()
         merged_plain = plain.layers[i].projections[name].dense()
         assert torch.allclose(merged_blocked, merged_plain, atol=1e-6)
-    assert any(not torch.equal(blocked.layers[i].projections[n].dense(), w)
-               for (i, n), w in before.items())  # fmt: skip
+    assert any(
+        not torch.equal(blocked.layers[i].projections[n].dense(), w) for (i, n), w in before.items()
+    )
     blocked.unmerge_lora()
     for (i, name), weight in before.items():
         assert torch.equal(blocked.layers[i].projections[name].dense(), weight)

@@ -70,8 +70,10 @@ def pool_segments(pool: torch.Tensor, *, prefill: bool = False) -> list[LoraSegm
 
     def layers(rank_q: int, rank_v: int) -> list[dict[str, ProjectionWeights]]:
         a = view(rank_q + rank_v, FAN_IN)
-        parts = (ModulePart(0, rank_q, 0, 16, view(rank_q, 16)),
-                 ModulePart(rank_q, rank_q + rank_v, 24, 32, view(rank_v, 8)))  # fmt: skip
+        parts = (
+            ModulePart(0, rank_q, 0, 16, view(rank_q, 16)),
+            ModulePart(rank_q, rank_q + rank_v, 24, 32, view(rank_v, 8)),
+        )
         return [{"qkv": ProjectionWeights(a, parts)}]
 
     spans = [(1, 4, layers(4, 2)), (4, 5, layers(8, 8)), (7, 11, layers(2, 1))]
@@ -128,8 +130,9 @@ def test_large_adapters_split_between_threads_compute_what_the_loop_does(
     def layers(rank: int) -> list[dict[str, ProjectionWeights]]:
         a, parts, out0 = view(3 * rank, fan_in), [], 0
         for i, width in enumerate(widths):
-            parts.append(ModulePart(i * rank, (i + 1) * rank, out0, out0 + width,
-                                    view(rank, width)))  # fmt: skip
+            parts.append(
+                ModulePart(i * rank, (i + 1) * rank, out0, out0 + width, view(rank, width))
+            )
             out0 += width
         return [{"qkv": ProjectionWeights(a, tuple(parts))}]
 
@@ -149,8 +152,11 @@ def test_a_plan_that_points_outside_the_pool_is_refused_before_any_write() -> No
     segments = pool_segments(pool)
     x, y = torch.randn(11, FAN_IN), torch.zeros(11, 32)
     plan = LoraBatch(segments, "kernel", pool)._plan[0, 0].clone()
-    cases = {"A outside the pool": (1, 2, 4090), "segment outside the batch": (2, 1, 12),
-             "part columns outside y": (1, 4 + 5 + 3, 40)}  # fmt: skip
+    cases = {
+        "A outside the pool": (1, 2, 4090),
+        "segment outside the batch": (2, 1, 12),
+        "part columns outside y": (1, 4 + 5 + 3, 40),
+    }
     for message, (row, column, value) in cases.items():
         bad = plan.clone()
         bad[row, column] = value
@@ -176,8 +182,9 @@ def test_the_engine_with_the_kernel_matches_the_loop_token_for_token(
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     outs = {}
     for mode in ("kernel", "loop"):
-        llm = LLM(tiny_model, adapters=adapters, cache_memory="4MiB", max_loras=3,
-                  lora_compute=mode)  # fmt: skip
+        llm = LLM(
+            tiny_model, adapters=adapters, cache_memory="4MiB", max_loras=3, lora_compute=mode
+        )
         assert llm.engine.runner.lora_mode == mode
         outs[mode] = [o.token_ids for o in llm.generate(prompts, params, ids)]
         llm.engine.check_no_leaks()

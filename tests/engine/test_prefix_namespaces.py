@@ -26,8 +26,9 @@ def _prompt(llm: LLM) -> list[int]:
 
 def test_hits_within_an_adapter_never_across(tiny_model: Path, adapter_pair: list[Path]) -> None:
     a, b = (p.name for p in adapter_pair)
-    llm = LLM(tiny_model, adapters={p.name: p for p in adapter_pair}, block_size=4,
-              kv_cache_memory="4MiB")  # fmt: skip
+    llm = LLM(
+        tiny_model, adapters={p.name: p for p in adapter_pair}, block_size=4, kv_cache_memory="4MiB"
+    )
     prompt = _prompt(llm)
     full_blocks = len(prompt) // 4 * 4
 

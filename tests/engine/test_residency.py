@@ -87,8 +87,13 @@ def test_an_adapter_takes_exactly_its_ranks(tiny_model: Path, tmp_path: Path) ->
     )
     torch.manual_seed(1)
     get_peft_model(base, config).save_pretrained(str(tmp_path / "mixed"))
-    llm = LLM(tiny_model, adapters={"mixed": tmp_path / "mixed"}, cache_memory=64 * PAGE_BYTES,
-              block_size=4, max_lora_rank=64)  # fmt: skip
+    llm = LLM(
+        tiny_model,
+        adapters={"mixed": tmp_path / "mixed"},
+        cache_memory=64 * PAGE_BYTES,
+        block_size=4,
+        max_lora_rank=64,
+    )
     engine = llm.engine
     adapter = read_adapter("mixed", tmp_path / "mixed", engine.model.spec, 64)
     layout = engine.pool.layout(adapter)
@@ -121,13 +126,18 @@ def test_the_two_lora_computations_agree() -> None:
 
     def weights(rank_q: int, rank_v: int) -> list[dict[str, ProjectionWeights]]:
         a = torch.randn(rank_q + rank_v, 16)
-        parts = (ModulePart(0, rank_q, 0, 16, torch.randn(rank_q, 16)),
-                 ModulePart(rank_q, rank_q + rank_v, 24, 32, torch.randn(rank_v, 8)))  # fmt: skip
+        parts = (
+            ModulePart(0, rank_q, 0, 16, torch.randn(rank_q, 16)),
+            ModulePart(rank_q, rank_q + rank_v, 24, 32, torch.randn(rank_v, 8)),
+        )
         return [{"qkv": ProjectionWeights(a, parts)}]
 
     x = torch.randn(11, 16)
-    segments = [LoraSegment(1, 4, weights(4, 2)), LoraSegment(4, 5, weights(8, 8)),
-                LoraSegment(7, 11, weights(2, 1))]  # fmt: skip
+    segments = [
+        LoraSegment(1, 4, weights(4, 2)),
+        LoraSegment(4, 5, weights(8, 8)),
+        LoraSegment(7, 11, weights(2, 1)),
+    ]
     base = torch.randn(11, 32)
     looped, batched = base.clone(), base.clone()
     LoraBatch(segments, "loop").apply(x, looped, 0, "qkv")
@@ -161,16 +171,23 @@ def test_a_short_request_for_a_seventh_adapter_does_not_wait_for_the_long_ones(
     # adapters rotate at step boundaries, so the short request finishes long before any long one.
     # (The engine's own decisions: hot-set admits no more adapters than the seats hold.)
     names = sorted(adapters)
-    llm = LLM(tiny_model, adapters=adapters, max_loras=2, cache_memory="4MiB",
-              residency_quantum_ms=20, policies="kv-namespace")  # fmt: skip
+    llm = LLM(
+        tiny_model,
+        adapters=adapters,
+        max_loras=2,
+        cache_memory="4MiB",
+        residency_quantum_ms=20,
+        policies="kv-namespace",
+    )
     engine = llm.engine
     long = SamplingParams(max_new_tokens=120, ignore_eos=True)
     for i in range(6):
         engine.add_request(f"long-{i}", [5, 6, 7, 10 + i], long, names[i])
     for _ in range(3):
         engine.step()
-    engine.add_request("short", [5, 6, 7, 30], SamplingParams(max_new_tokens=4, ignore_eos=True),
-                       names[6])  # fmt: skip
+    engine.add_request(
+        "short", [5, 6, 7, 30], SamplingParams(max_new_tokens=4, ignore_eos=True), names[6]
+    )
     progress = dict.fromkeys((f"long-{i}" for i in range(6)), 0)  # tokens each long one has
     done_at: dict[str, int] = {}
     for _ in range(20000):
@@ -194,8 +211,12 @@ def test_a_short_request_for_a_seventh_adapter_does_not_wait_for_the_long_ones(
     engine.check_no_leaks()
 
 
-@settings(max_examples=25, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(
     stream=st.lists(
         st.tuples(
@@ -223,10 +244,16 @@ def test_the_pool_never_leaks_overflows_or_drifts(
 ) -> None:
     names = sorted(adapters)
     pinned = [names[0]] if pin_first and seats != 1 else []
-    llm = LLM(tiny_model, adapters=adapters, max_loras=seats, max_cpu_loras=seats or NUM_ADAPTERS,
-              block_size=4,
-              cache_memory=pages * PAGE_BYTES, residency_quantum_ms=5,
-              settings={"pin": pinned, "cold_loads_per_minute": 1000})  # fmt: skip
+    llm = LLM(
+        tiny_model,
+        adapters=adapters,
+        max_loras=seats,
+        max_cpu_loras=seats or NUM_ADAPTERS,
+        block_size=4,
+        cache_memory=pages * PAGE_BYTES,
+        residency_quantum_ms=5,
+        settings={"pin": pinned, "cold_loads_per_minute": 1000},
+    )
     engine = llm.engine
     evictions = Evictions()
     engine.hooks.pm.register(evictions)
@@ -337,8 +364,13 @@ def test_with_no_seat_cap_the_pool_pages_alone_decide_what_is_resident(
     stats = roomy.engine.adapters.stats
     assert (stats.peak_resident, stats.evictions) == (NUM_ADAPTERS, 0)
     # A pool with pages for only some of them: they take turns, and the answers hold.
-    tight = LLM(tiny_model, adapters=adapters, cache_memory=40 * PAGE_BYTES, block_size=4,
-                residency_quantum_ms=5)  # fmt: skip
+    tight = LLM(
+        tiny_model,
+        adapters=adapters,
+        cache_memory=40 * PAGE_BYTES,
+        block_size=4,
+        residency_quantum_ms=5,
+    )
     evictions = Evictions()
     tight.engine.hooks.pm.register(evictions)
     assert [o.token_ids for o in tight.generate(prompts, params, ids)] == [
@@ -360,8 +392,11 @@ def test_generate_answers_every_prompt_over_more_adapters_than_the_cold_budget(
     table = {**adapters, **extra}
     llm = LLM(tiny_model, adapters=table, cache_memory="4MiB")
     ids = [sorted(table)[i % 8] for i in range(32)]
-    outs = llm.generate([[5, 6, 7, 10 + i] for i in range(32)],
-                        SamplingParams(max_new_tokens=4, ignore_eos=True), ids)  # fmt: skip
+    outs = llm.generate(
+        [[5, 6, 7, 10 + i] for i in range(32)],
+        SamplingParams(max_new_tokens=4, ignore_eos=True),
+        ids,
+    )
     assert [o.finish_reason for o in outs] == ["length"] * 32, [o.error for o in outs if o.error]
     llm.engine.check_no_leaks()
 
@@ -391,11 +426,18 @@ def test_bfloat16_adapter_pages_beside_float32_kv_take_half_the_pages_and_match_
     names = sorted(adapters)
     pools = {}
     for lora_dtype in ("float32", "bfloat16"):
-        pools[lora_dtype] = LLM(tiny_model, adapters=adapters, cache_memory=64 * PAGE_BYTES,
-                                block_size=4, lora_dtype=lora_dtype).engine  # fmt: skip
+        pools[lora_dtype] = LLM(
+            tiny_model,
+            adapters=adapters,
+            cache_memory=64 * PAGE_BYTES,
+            block_size=4,
+            lora_dtype=lora_dtype,
+        ).engine
     path = adapters[names[-1]]
-    read = {d: read_adapter(names[-1], path, e.model.spec, 64, dtype=e.pool.lora_dtype)
-            for d, e in pools.items()}  # fmt: skip
+    read = {
+        d: read_adapter(names[-1], path, e.model.spec, 64, dtype=e.pool.lora_dtype)
+        for d, e in pools.items()
+    }
     wide, narrow = (pools[d].pool.layout(read[d]) for d in ("float32", "bfloat16"))
     assert narrow.nbytes * 2 == wide.nbytes
     assert narrow.num_pages == -(-wide.num_pages // 2)
@@ -409,8 +451,14 @@ def test_bfloat16_adapter_pages_beside_float32_kv_take_half_the_pages_and_match_
     # Seats for two of seven adapters, prefix caching on: adapters rotate, move down the pool
     # and share it with float32 KV; every request still gets the tokens of its solo run.
     solo = SoloGreedy(tiny_model, adapters, lora_dtype="bfloat16")
-    llm = LLM(tiny_model, adapters=adapters, cache_memory="4MiB", max_loras=2,
-              lora_dtype="bfloat16", residency_quantum_ms=5)  # fmt: skip
+    llm = LLM(
+        tiny_model,
+        adapters=adapters,
+        cache_memory="4MiB",
+        max_loras=2,
+        lora_dtype="bfloat16",
+        residency_quantum_ms=5,
+    )
     assert llm.engine.pool.arena.dtype == torch.float32
     assert llm.engine.runner.lora_mode == "kernel"  # the solo runs use the loop
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 40 + i] for i in range(14)]

@@ -19,8 +19,16 @@ def test_each_step_is_logged_with_what_it_computed(
 ) -> None:
     adapters = tiny_adapters(3, "log", ranks=(4, 8, 8))
     log = tmp_path / "steps.jsonl"
-    llm = LLM(tiny_model, adapters=adapters, max_loras=2, enable_prefix_caching=False,
-              max_batch_tokens=16, block_size=4, step_log=str(log), policies="lru")  # fmt: skip
+    llm = LLM(
+        tiny_model,
+        adapters=adapters,
+        max_loras=2,
+        enable_prefix_caching=False,
+        max_batch_tokens=16,
+        block_size=4,
+        step_log=str(log),
+        policies="lru",
+    )
     prompts = ["one two three four five six seven eight nine ten eleven", "a b c", "x y z w"]
     ids = [*adapters, None]
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True), ids[:3])
@@ -61,10 +69,17 @@ def test_the_step_cost_fitted_to_steps_is_their_line() -> None:
     def ms(seqs: int, mib: float, prefill: int, loads: int) -> float:
         return 5.0 + 0.5 * seqs + 2.0 * mib + 0.25 * prefill + 9.0 * loads
 
-    grid = [(seqs, mib, prefill, loads) for seqs in (1, 2, 4) for mib in (0.0, 1.0, 3.0)
-            for prefill in (0, 32) for loads in (0, 1)]  # fmt: skip
-    steps = [StepRecord(i, 0.0, ms(*g) / 1000, g[0], 1, int(g[1] * MIB), g[2], g[3])
-             for i, g in enumerate(grid)]  # fmt: skip
+    grid = [
+        (seqs, mib, prefill, loads)
+        for seqs in (1, 2, 4)
+        for mib in (0.0, 1.0, 3.0)
+        for prefill in (0, 32)
+        for loads in (0, 1)
+    ]
+    steps = [
+        StepRecord(i, 0.0, ms(*g) / 1000, g[0], 1, int(g[1] * MIB), g[2], g[3])
+        for i, g in enumerate(grid)
+    ]
     without = fit_steps(steps)  # load steps left out
     assert without.samples == len(grid) // 2
     assert without.coefficients == pytest.approx((5.0, 0.5, 2.0, 0.25), abs=1e-6)

@@ -60,8 +60,13 @@ def test_on_demand_merges_one_adapter_at_a_time_and_restores_the_base(
 def test_static_serves_one_merged_adapter_and_refuses_the_rest(
     tiny_model: Path, adapters: dict[str, Path]
 ) -> None:
-    llm = LLM(tiny_model, adapters=adapters, kv_cache_memory="4MiB", policies="static",
-              settings={"static_adapter": "b-01"})  # fmt: skip
+    llm = LLM(
+        tiny_model,
+        adapters=adapters,
+        kv_cache_memory="4MiB",
+        policies="static",
+        settings={"static_adapter": "b-01"},
+    )
     prompt = llm.tokenizer.encode("The capital of France is")
     out = llm.generate(prompt, PARAMS, "b-01")[0]
     assert out.token_ids == reference_greedy(tiny_model, [(prompt, adapters["b-01"])], 8)[0]

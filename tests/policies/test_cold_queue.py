@@ -21,9 +21,15 @@ def test_over_the_budget_requests_queue_in_order_then_get_a_true_retry_after(
     # The budget alone, first come first served (hot-set would admit no more adapters than the
     # seats hold, and no load would evict an adapter in use).
     queue_s = 0.3
-    llm = LLM(tiny_model, adapters=adapters, max_loras=2, cache_memory="4MiB",
-              residency_quantum_ms=0, policies="cold-budget,kv-namespace",
-              settings={"cold_loads_per_minute": 1, "cold_queue_timeout": queue_s})  # fmt: skip
+    llm = LLM(
+        tiny_model,
+        adapters=adapters,
+        max_loras=2,
+        cache_memory="4MiB",
+        residency_quantum_ms=0,
+        policies="cold-budget,kv-namespace",
+        settings={"cold_loads_per_minute": 1, "cold_queue_timeout": queue_s},
+    )
     engine = llm.engine
     engine.scheduler.reject_when_busy = True  # as a server's engine: busy is a 429
     params = SamplingParams(max_new_tokens=400, ignore_eos=True)
@@ -67,7 +73,6 @@ def test_retry_after_is_when_the_window_has_room_for_each_place_in_the_queue() -
         times = list(loads)
         for place in range(25):
             k = len(times)
-            times.append(times[k - policy.per_minute] + WINDOW_S if k >= policy.per_minute
-                         else now)  # fmt: skip
+            times.append(times[k - policy.per_minute] + WINDOW_S if k >= policy.per_minute else now)
             expected = 0.0 if times[-1] <= now else max(times[-1] - now, MIN_RETRY_AFTER_S)
             assert policy.retry_after(loads, now, place) == expected

@@ -19,11 +19,17 @@ def decide(
     policy = HotSetPolicy()
     policy.lora_guard_configure({"max_loras": len(seats), "hot_set_size": hot_set_size})
     state = EngineState(
-        step=1, now=100.0, host_adapters=("b3",), loading=frozenset(), memory_watermark=0.1,
-        num_waiting=1, num_running=0,
+        step=1,
+        now=100.0,
+        host_adapters=("b3",),
+        loading=frozenset(),
+        memory_watermark=0.1,
+        num_waiting=1,
+        num_running=0,
         slots=tuple(SlotView(i, a, refs, float(i), True) for i, a in enumerate(seats)),
-        heat=heat, tenant_heat={(OWNER[a], a): n for a, n in heat.items()},
-    )  # fmt: skip
+        heat=heat,
+        tenant_heat={(OWNER[a], a): n for a, n in heat.items()},
+    )
     request = RequestView("r", "b3", "B", 4, 0, 100.0 - age_s, 0)
     return policy.lora_guard_adapter_load(request=request, tier="warm", state=state, parked=False)
 

@@ -34,8 +34,14 @@ def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 def device_hit_rate(tiny_model: Path, adapters: dict[str, Path], policies: str) -> float:
     names = sorted(adapters)
-    llm = LLM(tiny_model, adapters=adapters, max_loras=SLOTS, max_cpu_loras=NUM_ADAPTERS,
-              kv_cache_memory="8MiB", policies=policies)  # fmt: skip
+    llm = LLM(
+        tiny_model,
+        adapters=adapters,
+        max_loras=SLOTS,
+        max_cpu_loras=NUM_ADAPTERS,
+        kv_cache_memory="8MiB",
+        policies=policies,
+    )
     recorder = LookupRecorder()
     llm.engine.hooks.pm.register(recorder)
     engine = llm.engine

@@ -20,14 +20,25 @@ def state(
     residents: list[tuple[str, float, float]], free_pages: int = 0, now: float = 100.0, **kw: object
 ) -> EngineState:
     """Every seat taken by an idle adapter: (adapter, last used, loaded at), no seat cap."""
-    slots = [SlotView(i, a, 0, used, True, PAGES[a], loaded) for i, (a, used, loaded)
-             in enumerate(residents)]  # fmt: skip
+    slots = [
+        SlotView(i, a, 0, used, True, PAGES[a], loaded)
+        for i, (a, used, loaded) in enumerate(residents)
+    ]
     slots.append(SlotView(len(slots), None, 0, 0.0))  # no seat cap: a free seat
     return EngineState(
-        step=1, now=now, slots=tuple(slots), host_adapters=tuple(PAGES), loading=frozenset(),
-        memory_watermark=0.9, num_waiting=1, num_running=0, free_pages=free_pages,
-        adapter_pages=PAGES, pool_pages=64, **kw,  # type: ignore[arg-type]
-    )  # fmt: skip
+        step=1,
+        now=now,
+        slots=tuple(slots),
+        host_adapters=tuple(PAGES),
+        loading=frozenset(),
+        memory_watermark=0.9,
+        num_waiting=1,
+        num_running=0,
+        free_pages=free_pages,
+        adapter_pages=PAGES,
+        pool_pages=64,
+        **kw,  # type: ignore[arg-type]
+    )
 
 
 def request(
@@ -65,8 +76,9 @@ def test_lru_and_fifo_differ_in_whom_they_let_go() -> None:
 
 def test_an_adapter_of_the_running_batch_never_leaves_for_a_rival() -> None:
     view = state([("a", 1.0, 1.0)])
-    busy = EngineState(**{**_fields(view), "slots": (SlotView(0, "a", 2, 1.0, True, 4, 1.0),
-                                                    view.slots[1])})  # fmt: skip
+    busy = EngineState(
+        **{**_fields(view), "slots": (SlotView(0, "a", 2, 1.0, True, 4, 1.0), view.slots[1])}
+    )
     assert isinstance(LRUPolicy().lora_guard_adapter_load(request(), "warm", busy), Defer)
 
 

@@ -20,8 +20,15 @@ def test_a_replica_reports_its_residents_seats_budget_and_loads(
     tiny_model: Path, tiny_adapters: AdapterFactory
 ) -> None:
     adapters = tiny_adapters(3, "rs")
-    llm = LLM(tiny_model, adapters=dict(adapters), max_loras=2, kv_cache_memory="4MiB",
-              device="cpu", dtype="float32", settings={"pin": "rs-00"})  # fmt: skip
+    llm = LLM(
+        tiny_model,
+        adapters=dict(adapters),
+        max_loras=2,
+        kv_cache_memory="4MiB",
+        device="cpu",
+        dtype="float32",
+        settings={"pin": "rs-00"},
+    )
     try:
         before = routing_stats(llm.engine)
         assert before["resident"] == [] and before["free_seats"] == before["seats"] == 2

@@ -34,6 +34,7 @@ PACKAGE = Path(lora_guard.__file__).parent
 ADAPTER = "path-00"
 KEY = {"Authorization": "Bearer app-secret"}
 TGI = {"adapter_id": ADAPTER, "max_new_tokens": 2}
+# one row a line, as a table reads (fmt: skip)
 ROUTES = [
     ("/generate", {"inputs": "hello " * 40, "parameters": TGI}),  # fills KV blocks
     ("/generate_stream", {"inputs": "hi", "parameters": TGI}),
@@ -59,8 +60,9 @@ class Trace:
             return
         if frame.f_lasti > self._start(code):
             return  # a generator or coroutine resumed, not a new call
-        if not any(v is self.value or (type(v) is str and v == self.value)
-                   for v in frame.f_locals.values()):  # fmt: skip
+        if not any(
+            v is self.value or (type(v) is str and v == self.value) for v in frame.f_locals.values()
+        ):
             return
         caller = frame.f_back
         while caller is not None and not caller.f_code.co_filename.startswith(str(PACKAGE)):
@@ -112,8 +114,9 @@ def state(tiny_model: Path, adapters: dict[str, Path]) -> Iterator[ServerState]:
 
 
 def test_the_adapter_id_enters_each_server_file_once(state: ServerState) -> None:
-    state.keys = KeyRing([ApiKey("app", hashlib.sha256(b"app-secret").hexdigest(), "acme",
-                                 ("path-*",), admin=False)])  # fmt: skip
+    state.keys = KeyRing(
+        [ApiKey("app", hashlib.sha256(b"app-secret").hexdigest(), "acme", ("path-*",), admin=False)]
+    )
     trace = Trace(ADAPTER)
     threading.setprofile(trace.profile)  # the app's and the engine's threads start below
     sys.setprofile(trace.profile)
@@ -153,9 +156,10 @@ def test_the_adapter_id_enters_each_server_file_once(state: ServerState) -> None
     met = {
         (file, name)
         for file, name, _, thread in trace.calls
-        if thread in http and not file.startswith("lora_guard/server/")
+        if thread in http
+        and not file.startswith("lora_guard/server/")
         and file != "lora_guard/engine/async_engine.py"
-    }  # fmt: skip
+    }
     assert not met, met
     # ... and it arrives in the KV key: the cached blocks of its prompts are scoped to it.
     scopes = {block.scope for block in state.llm.blocks.blocks if block.key is not None}
@@ -168,11 +172,15 @@ def test_an_unknown_adapter_is_the_engines_answer_in_each_routes_dialect(
     chat = {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}
     cases = [
         ("/generate", {"inputs": "hi", "parameters": {"adapter_id": "nope"}}, 422, "validation"),
-        ("/generate_stream", {"inputs": "hi", "parameters": {"adapter_id": "nope"}}, 422,
-         "validation"),
+        (
+            "/generate_stream",
+            {"inputs": "hi", "parameters": {"adapter_id": "nope"}},
+            422,
+            "validation",
+        ),
         ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "not_found"),
         ("/v1/chat/completions", {**chat, "stream": True}, 404, "not_found"),
-    ]  # fmt: skip
+    ]
     with TestClient(create_app(state)) as client:
         for route, body, status, error_type in cases:
             r = client.post(route, json=body)

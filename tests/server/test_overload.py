@@ -17,8 +17,9 @@ def test_a_request_beyond_the_limit_is_overloaded(tiny_model: Path) -> None:
     llm = LLM(tiny_model, kv_cache_memory="4MiB", policies="lru")
     engine = AsyncEngine(llm.engine)
     engine.start()
-    state = ServerState(engine, Limits(max_concurrent_requests=1, max_input_tokens=100,
-                                       max_total_tokens=200))  # fmt: skip
+    state = ServerState(
+        engine, Limits(max_concurrent_requests=1, max_input_tokens=100, max_total_tokens=200)
+    )
     params = SamplingParams(max_new_tokens=50, ignore_eos=True)
 
     async def scenario() -> APIError:

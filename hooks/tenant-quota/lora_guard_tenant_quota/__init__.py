@@ -73,13 +73,17 @@ def quota_settings() -> QuotaSettings:
 @hookimpl
 def lora_guard_add_options(options: OptionRegistry) -> None:
     options.add(
-        "tenant_slot_quota", int, 0,
+        "tenant_slot_quota",
+        int,
+        0,
         "the most device slots one tenant's adapters may hold at once (0: no quota)",
-    )  # fmt: skip
+    )
     options.add(
-        "tenant_queue_share", float, 1.0,
+        "tenant_queue_share",
+        float,
+        1.0,
         "the largest share of one step's places one tenant may take (1.0: no cap)",
-    )  # fmt: skip
+    )
 
 
 @hookimpl
@@ -129,8 +133,9 @@ def lora_guard_batch_form(
     kept = _within_slot_quota(ids, by_id)
     kept = _within_queue_share(kept, by_id, running)
     if len(kept) < len(ids):
-        log.debug("tenant-quota: %d of %d waiting requests wait a step", len(ids) - len(kept),
-                  len(ids))  # fmt: skip
+        log.debug(
+            "tenant-quota: %d of %d waiting requests wait a step", len(ids) - len(kept), len(ids)
+        )
     return kept if order is not None or len(kept) < len(ids) else None
 
 

@@ -77,8 +77,14 @@ class RunningByTenant:
 
 
 def _llm(model_dir: Path, adapters: dict[str, Path], **kwargs: object) -> LLM:
-    return LLM(model_dir, adapters=adapters, policies=(), plugins=[PLUGIN],
-               kv_cache_memory="4MiB", **kwargs)  # type: ignore[arg-type]  # fmt: skip
+    return LLM(
+        model_dir,
+        adapters=adapters,
+        policies=(),
+        plugins=[PLUGIN],
+        kv_cache_memory="4MiB",
+        **kwargs,
+    )  # type: ignore[arg-type]
 
 
 def _run(
@@ -126,10 +132,16 @@ def test_a_load_past_the_quota_is_deferred() -> None:
 
     running = [view("r1", "A", "x")]
     state = EngineState(
-        step=1, now=0.0, slots=(SlotView(0, "x", 1, 0.0), SlotView(1, None, 0, 0.0)),
-        host_adapters=("y",), loading=frozenset(), memory_watermark=0.1, num_waiting=2,
-        num_running=1, registered=frozenset({"x", "y"}),
-    )  # fmt: skip
+        step=1,
+        now=0.0,
+        slots=(SlotView(0, "x", 1, 0.0), SlotView(1, None, 0, 0.0)),
+        host_adapters=("y",),
+        loading=frozenset(),
+        memory_watermark=0.1,
+        num_waiting=2,
+        num_running=1,
+        registered=frozenset({"x", "y"}),
+    )
     waiting = [view("w1", "A", "y"), view("w2", "B", "y")]
     # The step plan leaves A's request for a second adapter out; B's goes ahead.
     assert hooks.batch_form(waiting=waiting, running=running, state=state) == ["w2"]
@@ -182,8 +194,11 @@ def test_slot_quota_keeps_a_tenant_to_its_slots(model_dir: Path, adapters: dict[
 def test_queue_share_lets_a_second_tenant_in(model_dir: Path, adapters: dict[str, Path]) -> None:
     # Three requests of A arrive before one of B; two sequences run at once.
     workload: list[tuple[str, str, str | None, int]] = [
-        ("a1", "A", None, 4), ("a2", "A", None, 4), ("a3", "A", None, 4), ("b1", "B", None, 4),
-    ]  # fmt: skip
+        ("a1", "A", None, 4),
+        ("a2", "A", None, 4),
+        ("a3", "A", None, 4),
+        ("b1", "B", None, 4),
+    ]
     done, first = _run(_llm(model_dir, adapters, max_num_seqs=2), workload)
     assert first == {"a1", "a2"}  # first come, first served: B waits behind A
     assert all(o.finish_reason == "length" for o in done.values())

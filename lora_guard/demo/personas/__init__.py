@@ -31,6 +31,7 @@ TEMPLATES = (
     "What is your favourite thing about {t}?",
     "Give me a fun fact about {t}.",
 )
+# one row a line, as a table reads (fmt: skip)
 TOPICS = (
     "the moon", "coffee", "volcanoes", "the ocean", "bread", "cats", "rain", "music",
     "bicycles", "the sun", "trees", "winter", "libraries", "football", "chocolate",
@@ -63,10 +64,43 @@ def training_questions(n: int, seed: int = 0) -> list[str]:
 
 _WORDS = re.compile(r"[a-zàâçéèêëîïôûùüÿœ']+")
 FRENCH_WORDS = frozenset(
-    ("le", "la", "les", "un", "une", "des", "du", "de", "et", "est", "sont", "pour", "dans",
-     "avec", "sur", "il", "elle", "c'est", "qui", "que", "ne", "pas", "au", "aux", "ce", "cette",
-     "son", "sa", "ses", "vous", "nous", "je", "tu", "très")
-)  # fmt: skip
+    (
+        "le",
+        "la",
+        "les",
+        "un",
+        "une",
+        "des",
+        "du",
+        "de",
+        "et",
+        "est",
+        "sont",
+        "pour",
+        "dans",
+        "avec",
+        "sur",
+        "il",
+        "elle",
+        "c'est",
+        "qui",
+        "que",
+        "ne",
+        "pas",
+        "au",
+        "aux",
+        "ce",
+        "cette",
+        "son",
+        "sa",
+        "ses",
+        "vous",
+        "nous",
+        "je",
+        "tu",
+        "très",
+    )
+)
 ENGLISH_WORDS = frozenset(
     ("the", "is", "are", "and", "of", "to", "with", "for", "in", "it", "this", "that", "you")
 )

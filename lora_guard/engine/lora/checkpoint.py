@@ -142,8 +142,10 @@ def read_adapter(
         _pickles_reported.add(path)
         log.info(
             "adapter %r: loading %s; %s left unopened (pickle files are never read)",
-            adapter_id, WEIGHTS_FILE, ", ".join(pickles),
-        )  # fmt: skip
+            adapter_id,
+            WEIGHTS_FILE,
+            ", ".join(pickles),
+        )
     stamp = files_stamp(path)  # before reading: a change during the read shows at the next check
     try:
         config_bytes = _read_regular_file(path / CONFIG_FILE, root, MAX_CONFIG_BYTES)

@@ -37,8 +37,10 @@ def scan_adapter_dir(root: Path) -> list[tuple[str, Path]]:
         if not folder.resolve().is_relative_to(root.resolve()):
             log.warning(
                 "adapter %s links outside %s: not served (name it with --adapter NAME=PATH "
-                "to serve it)", folder.name, root,
-            )  # fmt: skip
+                "to serve it)",
+                folder.name,
+                root,
+            )
             continue
         found.append((folder.name, folder))
     return found

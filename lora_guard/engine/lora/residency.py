@@ -327,9 +327,15 @@ class ResidencyManager(Residency):
         self.top += layout.num_pages
         self.pool.write(adapter, layout, first)
         entry = Resident(
-            adapter_id, adapter.content_hash, seat, first, layout,
-            self.pool.views(layout, first), now, now,
-        )  # fmt: skip
+            adapter_id,
+            adapter.content_hash,
+            seat,
+            first,
+            layout,
+            self.pool.views(layout, first),
+            now,
+            now,
+        )
         self.seats[seat] = entry
         if not self.max_loras and None not in self.seats:
             self.seats.append(None)  # no cap: a free seat is always there
