@@ -1,7 +1,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: bootstrap test test-fast test-clients peers lint serve demo clean
+.PHONY: bootstrap test test-fast test-clients test-vllm peers lint serve demo clean
 
 bootstrap:
 	@VENV=$(VENV) scripts/bootstrap.sh
@@ -22,6 +22,12 @@ peers: bootstrap
 ## test-clients: vLLM's `vllm bench serve` and guidellm against a real server of the demo model
 test-clients: peers demo
 	$(BIN)/python -m pytest -m clients -rP
+
+## test-vllm: lora_guard.vllm inside vLLM's CPU build (its environment made as for the bench, then
+## this checkout installed into it); two vLLM servers of a tiny model, about 3 minutes
+test-vllm: bootstrap
+	$(BIN)/python -m lora_guard.bench.peer_env vllm
+	$(BIN)/python -m pytest -m vllm -rP
 
 lint: bootstrap
 	$(BIN)/ruff check lora_guard tests integration hooks

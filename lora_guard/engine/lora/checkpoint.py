@@ -107,6 +107,11 @@ def _read_regular_file(file: Path, root: Path | None, limit: int) -> bytes:
         os.close(fd)
 
 
+def content_hash(config_bytes: bytes, weights_bytes: bytes) -> str:
+    """An adapter's version: sha256 of its config and its weights, as read from its folder."""
+    return hashlib.sha256(config_bytes + b"\0" + weights_bytes).hexdigest()
+
+
 def read_adapter(
     adapter_id: str,
     path: Path,
@@ -213,7 +218,7 @@ def read_adapter(
         scale = module_alpha / (rank**0.5 if rslora else rank)
         weights[(layer, module)] = (a.float().to(dtype), (b.float() * scale).to(dtype))
         max_seen = max(max_seen, rank)
-    digest = hashlib.sha256(config_bytes + b"\0" + data).hexdigest()
+    digest = content_hash(config_bytes, data)
     return LoRAAdapter(
         adapter_id=adapter_id,
         path=path,
