@@ -122,13 +122,15 @@ class KVScope:
             return body
         if not isinstance(payload, dict):
             return body
+        own_salt = payload.get("cache_salt")
+        if own_salt is not None and not (isinstance(own_salt, str) and own_salt):
+            return body  # vLLM's own check answers a malformed salt
         models = getattr(getattr(scope.get("app"), "state", None), "openai_serving_models", None)
         base = models.base_model_paths[0].name if models is not None else ""
         model = payload.get("model")
         lora = models.lora_requests.get(model) if models is not None and model else None
         adapter_id = model if lora is not None else None
         adapter_hash = self.digests.of(Path(lora.lora_path)) if lora is not None else None
-        own_salt = payload.get("cache_salt")
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         view = RequestView(
             request_id="",
@@ -138,7 +140,7 @@ class KVScope:
             num_output_tokens=0,
             arrival_time=0.0,
             waited_steps=0,
-            cache_salt=own_salt if isinstance(own_salt, str) else None,
+            cache_salt=own_salt,
         )
         namespace = self.hooks.cache_namespace(
             request=view, base_model_id=base, adapter_hash=adapter_hash
