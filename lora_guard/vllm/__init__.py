@@ -9,8 +9,6 @@ Tested on the vLLM versions in :data:`TESTED_VLLM`.
 
 from __future__ import annotations
 
-from lora_guard.vllm.kv_scope import KVScope
-
-TESTED_VLLM = ("0.32",)  # major.minor of the vLLM releases the integration test runs on
+from lora_guard.vllm.kv_scope import TESTED_VLLM, KVScope
 
 __all__ = ["TESTED_VLLM", "KVScope"]

@@ -38,6 +38,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 #: the routes whose bodies carry a prompt and a ``cache_salt``
 SALTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 MAX_BODY_BYTES = 64 * 2**20  # a larger body passes untouched; vLLM answers it
+TESTED_VLLM = ("0.32",)  # major.minor of the vLLM releases the integration test runs on
 
 
 def configured_hooks(environ: Mapping[str, str] = os.environ) -> Hooks:
@@ -126,9 +127,15 @@ class KVScope:
         if own_salt is not None and not (isinstance(own_salt, str) and own_salt):
             return body  # vLLM's own check answers a malformed salt
         models = getattr(getattr(scope.get("app"), "state", None), "openai_serving_models", None)
-        base = models.base_model_paths[0].name if models is not None else ""
+        if models is None:
+            raise RuntimeError(
+                "KVScope runs inside vLLM's OpenAI server (--middleware), whose registry of "
+                f"served models (app.state.openai_serving_models) it reads; tested on vLLM "
+                f"{', '.join(TESTED_VLLM)}"
+            )
+        base = models.base_model_paths[0].name
         model = payload.get("model")
-        lora = models.lora_requests.get(model) if models is not None and model else None
+        lora = models.lora_requests.get(model) if isinstance(model, str) else None
         adapter_id = model if lora is not None else None
         adapter_hash = self.digests.of(Path(lora.lora_path)) if lora is not None else None
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
