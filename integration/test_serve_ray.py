@@ -381,7 +381,9 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request_in_the_engine(
             events += line.startswith("data:")
             if events == 3:
                 break  # the client goes away after three tokens
-    eventually(lambda: aborted(fleet) != before, what="the engine to abort the request")
+    eventually(
+        lambda: aborted(fleet) != before, timeout_s=30, what="the engine to abort the request"
+    )
     assert aborted(fleet) == before + 1
     assert all(s["queue"] == 0 for s in fleet_stats(fleet.app_name))
 

@@ -8,11 +8,12 @@ makes the engine rotate them step by step (parking requests, loading again what 
 evicted): the thrash of the regime where adapters outnumber memory. So batch form offers a
 waiting request, first come first served, only when its adapter is resident or running already,
 or when its pages fit in the pool beside the adapters the running batch uses and the KV that
-batch will hold at its longest (the working set); a request that does not fit waits, and the
-ones behind it may go. A tenant running more than twice its share of the batch (running
-requests over active tenants) waits while other tenants have requests. A request that has
-waited ``max_adapter_wait_s`` goes ahead of all, and no request for an adapter outside the
-working set is admitted before it.
+batch will hold at its longest (the working set) and a seat is free or may be freed for it
+(pinned adapters keep theirs); a request that does not fit waits, and the ones behind it may
+go: a request whose adapter cannot be seated never holds back one whose adapter is resident. A
+tenant running more than twice its share of the batch (running requests over active tenants)
+waits while other tenants have requests. A request that has waited ``max_adapter_wait_s`` goes
+ahead of all, and no request for an adapter outside the working set is admitted before it.
 
 Heat is the number of requests per adapter over a sliding window (the engine's, ``heat_window_s``).
 To make room, adapters no running request uses leave first, the least heat per page first (a
@@ -20,7 +21,9 @@ one-off request's adapter before a hot one, a large cold adapter before a small 
 GreedyDual-Size-Frequency); pinned adapters never. With a seat cap, a tenant already holding its
 fair share of the seats may not evict another tenant's hot adapters (the hot set: pinned
 adapters and the ``hot_set_size`` hottest). A request waited on ``max_adapter_wait_s``, or a
-parked running one, may also displace adapters running requests use, so none waits forever.
+parked running one, may also displace adapters running requests use, so none waits forever; when
+no request runs, the first one waiting may displace any adapter but a pinned one (an idle engine
+keeps no seat for traffic that has not come).
 
 ``max_loras_per_batch`` caps the distinct adapters of the running requests when set.
 """
@@ -137,7 +140,7 @@ class HotSetPolicy:
     ) -> AdapterDecision | None:
         if tier == "cold" or request.adapter_id is None:
             return None  # reading into host memory needs no seat
-        forced = parked or self.aged(request, state)
+        forced = parked or self.aged(request, state) or not state.num_running
         return plan_load(state, request, self.victims(state, request, forced))
 
     # batch form
@@ -160,6 +163,9 @@ class HotSetPolicy:
         aged = sorted((r for r in waiting if self.aged(r, state)), key=lambda r: r.arrival_time)
         fresh = [r for r in sorted(waiting, key=lambda r: r.arrival_time) if r not in aged]
         cap = self.max_loras_per_batch or math.inf  # 0: no cap
+        resident = {v.adapter_id for v in state.slots if v.adapter_id is not None}
+        pinned = resident & state.pinned  # their seats are theirs, used or not
+        seated = 0  # adapters of this batch that must take a seat
         chosen: list[str] = []
         blocked = False  # an aged request's adapter does not fit yet: no other adapter joins
         for group in (aged, fresh):
@@ -175,16 +181,32 @@ class HotSetPolicy:
                     assert adapter is not None
                     extra = pages.get(adapter, 0)
                     seats = self.seats or math.inf  # 0: no seat cap, the pages decide
-                    fits = extra + need <= room and len(working) < min(cap, seats)
+                    fits = extra + need <= room and len(working) < cap
+                    fits = fits and len(working | pinned | {adapter}) <= seats
+                    seats_it = adapter not in resident
+                    if fits and seats_it and self.seats:
+                        forced = r in aged or not (
+                            running or chosen
+                        )  # an idle engine waits for none
+                        fits = self.open_seats(state, r, forced, working) > seated
                     if not fits or (blocked and r not in aged):
                         blocked = blocked or r in aged
                         continue
                     working.add(adapter)
+                    seated += seats_it
                     room -= extra
                 room -= need
                 chosen.append(r.request_id)
                 served[r.tenant_id] += 1
         return chosen
+
+    def open_seats(
+        self, state: EngineState, request: RequestView, forced: bool, keep: set[str]
+    ) -> int:
+        """Seats ``request``'s adapter could take now: free ones, and those of adapters it may
+        evict that are not in ``keep`` (the batch being formed)."""
+        movable = [v for v in self.victims(state, request, forced) if v.adapter_id not in keep]
+        return len(state.free_slots) + len(movable)
 
     @staticmethod
     def kv_pages(request: RequestView, state: EngineState) -> int:

@@ -14,8 +14,9 @@ OWNER = {"a1": "A", "a2": "A", "a3": "A", "b1": "B", "b2": "B", "b3": "B"}
 def decide(
     seats: list[str], heat: dict[str, int], hot_set_size: int, age_s: float = 1.0, refs: int = 0
 ) -> object:
-    """Tenant B asks for a seat for ``b3``; every seat holds an adapter (``seats[i]`` in seat i,
-    the lower the seat the longer unused) that ``refs`` running requests use."""
+    """Tenant B asks for a seat for ``b3`` while the engine runs a request; every seat holds an
+    adapter (``seats[i]`` in seat i, the lower the seat the longer unused) that ``refs`` running
+    requests use."""
     policy = HotSetPolicy()
     policy.lora_guard_configure({"max_loras": len(seats), "hot_set_size": hot_set_size})
     state = EngineState(
@@ -25,7 +26,7 @@ def decide(
         loading=frozenset(),
         memory_watermark=0.1,
         num_waiting=1,
-        num_running=0,
+        num_running=1,
         slots=tuple(SlotView(i, a, refs, float(i), True) for i, a in enumerate(seats)),
         heat=heat,
         tenant_heat={(OWNER[a], a): n for a, n in heat.items()},

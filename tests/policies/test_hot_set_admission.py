@@ -1,0 +1,61 @@
+"""Hot-set batch form: a request whose adapter cannot be seated waits without holding back one
+whose adapter is resident, and an idle engine keeps no seat for traffic that has not come.
+
+Two seats: tenant A's pinned ``a0`` and tenant B's hot ``b1``, which no request needs now. A
+holds its share of the seats (one of two), so it may not evict B's hot adapter for ``a2`` while
+the engine is busy."""
+
+from __future__ import annotations
+
+from lora_guard.plugins import Defer, Load
+from lora_guard.plugins.state import EngineState, RequestView, SlotView
+from lora_guard.policies.hot_set import HotSetPolicy
+
+NOW = 100.0
+
+
+def policy() -> HotSetPolicy:
+    hot_set = HotSetPolicy()
+    hot_set.lora_guard_configure({"max_loras": 2, "hot_set_size": 1})
+    return hot_set
+
+
+def state(running: int) -> EngineState:
+    return EngineState(
+        step=10,
+        now=NOW,
+        slots=(SlotView(0, "b1", 0, 90.0, True, 4), SlotView(1, "a0", running, 99.0, False, 4)),
+        host_adapters=("a2",),
+        loading=frozenset(),
+        memory_watermark=0.1,
+        num_waiting=2,
+        num_running=running,
+        heat={"b1": 9, "a0": 5, "a2": 1},
+        tenant_heat={("B", "b1"): 9, ("A", "a0"): 5, ("A", "a2"): 1},
+        pinned=frozenset({"a0"}),
+        adapter_pages={"a0": 4, "a2": 4, "b1": 4},
+        pool_pages=100,
+    )
+
+
+def request(rid: str, adapter: str, tenant: str, arrived: float) -> RequestView:
+    return RequestView(rid, adapter, tenant, 8, 0, arrived, 3, max_new_tokens=8)
+
+
+OLD_A2 = request("old-a2", "a2", "A", NOW - 1.0)  # waited 1 s: not yet max_adapter_wait_s
+NEW_B1 = request("new-b1", "b1", "B", NOW - 0.5)
+
+
+def test_a_request_that_cannot_be_seated_does_not_hold_back_a_resident_adapters_request() -> None:
+    running = [request("run-a0", "a0", "A", NOW - 2.0)]
+    chosen = policy().lora_guard_batch_form([OLD_A2, NEW_B1], running, state(running=1))
+    assert chosen == ["new-b1"]
+    decision = policy().lora_guard_adapter_load(OLD_A2, "warm", state(running=1), parked=False)
+    assert isinstance(decision, Defer), "B's hot adapter is protected while the engine is busy"
+
+
+def test_an_idle_engine_lets_the_oldest_request_take_an_idle_hot_seat() -> None:
+    chosen = policy().lora_guard_batch_form([OLD_A2], [], state(running=0))
+    assert chosen == ["old-a2"]
+    decision = policy().lora_guard_adapter_load(OLD_A2, "warm", state(running=0), parked=False)
+    assert decision == Load(0)
