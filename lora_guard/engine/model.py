@@ -16,9 +16,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lora_guard.engine.linear import Linear, blocked_layout_available
 from lora_guard.engine.spec import FUSED_PROJECTIONS, ModelLoadError, ModelSpec
+
+# Not cuDNN's: it builds a plan for every new shape, and a batch's lengths change every step
+# (bfloat16 on an H200 ran 4-15x slower than with these: docs/engine.md).
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 if TYPE_CHECKING:
     from lora_guard.engine.lora.compute import LoraBatch
@@ -223,20 +228,21 @@ class LlamaModel:
         sin = (emb.sin() * self.rope_scaling).to(self.dtype)[:, None, :]
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         k_cache, v_cache = kv_cache
-        for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, s.rms_norm_eps)
-            qkv = self._linear(h, layer, "qkv", i, lora)
-            q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
-            q = rotate(q.view(-1, s.num_heads, s.head_dim), cos, sin)
-            k = rotate(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin)
-            v = v.view(-1, s.num_kv_heads, s.head_dim)
-            k_cache[i].index_copy_(0, attn.slot_mapping, k)
-            v_cache[i].index_copy_(0, attn.slot_mapping, v)
-            o = self._attention(q, k_cache[i], v_cache[i], attn)
-            x = x + self._linear(o, layer, "o", i, lora)
-            h = rms_norm(x, layer.post_norm, s.rms_norm_eps)
-            gate, up = self._linear(h, layer, "gate_up", i, lora).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, layer, "down", i, lora)
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            for i, layer in enumerate(self.layers):
+                h = rms_norm(x, layer.input_norm, s.rms_norm_eps)
+                qkv = self._linear(h, layer, "qkv", i, lora)
+                q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
+                q = rotate(q.view(-1, s.num_heads, s.head_dim), cos, sin)
+                k = rotate(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin)
+                v = v.view(-1, s.num_kv_heads, s.head_dim)
+                k_cache[i].index_copy_(0, attn.slot_mapping, k)
+                v_cache[i].index_copy_(0, attn.slot_mapping, v)
+                o = self._attention(q, k_cache[i], v_cache[i], attn)
+                x = x + self._linear(o, layer, "o", i, lora)
+                h = rms_norm(x, layer.post_norm, s.rms_norm_eps)
+                gate, up = self._linear(h, layer, "gate_up", i, lora).chunk(2, dim=-1)
+                x = x + self._linear(F.silu(gate) * up, layer, "down", i, lora)
         h = rms_norm(x[logits_rows], self.norm, s.rms_norm_eps)
         head = self.lm_head
         logits = head(h) if isinstance(head, Linear) else F.linear(h, head)

@@ -1,0 +1,148 @@
+"""The engine on another device against transformers + PEFT on the same device: greedy tokens of
+a mixed batch (several adapters and the base model, more adapters than seats) in float32 and
+bfloat16, on a tiny random Llama made here.
+
+    python scripts/cuda_check.py --device cuda [--json out.json]
+
+Float32 must match the oracle token for token; bfloat16 is reported (rounding may flip a
+near-tie). Exits 1 when float32 does not match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lora_guard import LLM, SamplingParams
+from lora_guard.demo.adapters import make_adapters
+from lora_guard.demo.testing import make_tiny_llama
+
+NEW_TOKENS = 24
+
+
+def oracle(model: Path, requests: list[tuple[list[int], Path | None]], device: str, dtype: str):
+    """Greedy tokens from transformers + PEFT (adapter unmerged), one request at a time."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device)
+    results = []
+    for prompt, adapter in requests:
+        net = base if adapter is None else PeftModel.from_pretrained(base, str(adapter))
+        ids = torch.tensor([prompt], device=device)
+        with torch.no_grad():
+            out = net.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        results.append(out[0, ids.shape[1] :].tolist())
+        if adapter is not None:
+            base = net.unload()
+    return results
+
+
+def engine(
+    model: Path,
+    adapters: dict[str, Path],
+    requests: list[tuple[list[int], str | None]],
+    device: str,
+    dtype: str,
+) -> tuple[list[list[int]], float]:
+    llm = LLM(
+        model,
+        adapters=dict(adapters),
+        max_loras=4,
+        device=device,
+        dtype=dtype,
+        lora_dtype=dtype,
+        kv_cache_memory="64MiB",
+        block_size=16,
+    )
+    try:
+        started = time.perf_counter()
+        outputs = llm.generate(
+            [prompt for prompt, _ in requests],
+            SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True),
+            adapter_ids=[adapter for _, adapter in requests],
+        )
+        return [list(o.token_ids) for o in outputs], time.perf_counter() - started
+    finally:
+        llm.engine.shutdown()
+
+
+def compare(got: list[list[int]], want: list[list[int]]) -> dict[str, Any]:
+    same = sum(g == w for g, w in zip(got, want, strict=True))
+    first = [
+        next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), None)
+        for g, w in zip(got, want, strict=True)
+    ]
+    return {
+        "requests": len(want),
+        "identical": same,
+        "first_divergence": [i for i in first if i is not None],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    report: dict[str, Any] = {"device": args.device, "torch": torch.__version__}
+    if args.device.startswith("cuda"):
+        report["gpu"] = torch.cuda.get_device_name(args.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_tiny_llama(
+            Path(tmp) / "model",
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+        )
+        folders = make_adapters(
+            model,
+            Path(tmp) / "adapters",
+            n=8,
+            ranks=(4, 8, 16, 32),
+            prefix="c",
+            all_projections=True,
+        )
+        adapters = {f.name: f for f in folders}
+        rng = random.Random(0)
+        names: list[str | None] = [*adapters, None]
+        requests = [
+            ([rng.randrange(5, 300) for _ in range(rng.randrange(4, 60))], names[i % 9])
+            for i in range(36)
+        ]
+        cpu_want = oracle(model, [(p, a and adapters[a]) for p, a in requests], "cpu", "float32")
+        for dtype in ("float32", "bfloat16"):
+            want = oracle(model, [(p, a and adapters[a]) for p, a in requests], args.device, dtype)
+            got, seconds = engine(model, adapters, requests, args.device, dtype)
+            report[dtype] = {
+                "against the oracle on the device": compare(got, want),
+                "the oracle on the device against the CPU's float32": compare(want, cpu_want),
+                "generate_s": round(seconds, 3),
+            }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    f32 = report["float32"]["against the oracle on the device"]
+    return 0 if f32["identical"] == f32["requests"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
