@@ -25,37 +25,11 @@ from torch.nn.attention import SDPBackend
 
 from lora_guard import LLM, SamplingParams
 from lora_guard.demo.adapters import make_adapters
-from lora_guard.demo.testing import make_tiny_llama
+from lora_guard.demo.testing import make_tiny_llama, reference_greedy
 from lora_guard.engine import model as model_module
 
 NEW_TOKENS = 24
 CALLS = 3
-
-
-def oracle(model: Path, requests: list[tuple[list[int], Path | None]], device: str, dtype: str):
-    """Greedy tokens from transformers + PEFT (adapter unmerged), one request at a time."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device)
-    results = []
-    for prompt, adapter in requests:
-        net = base if adapter is None else PeftModel.from_pretrained(base, str(adapter))
-        ids = torch.tensor([prompt], device=device)
-        with torch.no_grad():
-            out = net.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        results.append(out[0, ids.shape[1] :].tolist())
-        if adapter is not None:
-            base = net.unload()
-    return results
 
 
 def engine(
@@ -141,9 +115,10 @@ def main() -> int:
             ([rng.randrange(5, 300) for _ in range(rng.randrange(4, 60))], names[i % 9])
             for i in range(36)
         ]
-        cpu_want = oracle(model, [(p, a and adapters[a]) for p, a in requests], "cpu", "float32")
+        files = [(prompt, None if a is None else adapters[a]) for prompt, a in requests]
+        cpu_want = reference_greedy(model, files, NEW_TOKENS)
         for dtype in ("float32", "bfloat16"):
-            want = oracle(model, [(p, a and adapters[a]) for p, a in requests], args.device, dtype)
+            want = reference_greedy(model, files, NEW_TOKENS, device=args.device, dtype=dtype)
             got, seconds = engine(model, adapters, requests, args.device, dtype)
             report[dtype] = {
                 "against the oracle on the device": compare(got, want),

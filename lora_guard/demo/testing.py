@@ -122,6 +122,9 @@ def reference_greedy(
     model_dir: Path,
     requests: list[tuple[list[int], Path | None]],
     max_new_tokens: int,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> list[list[int]]:
     """Greedy tokens from transformers + PEFT (adapter applied unmerged), one request at a time.
 
@@ -131,11 +134,11 @@ def reference_greedy(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device)
     results = []
     for prompt, adapter in requests:
         model = base if adapter is None else PeftModel.from_pretrained(base, str(adapter))
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=device)
         with torch.no_grad():
             out = model.generate(
                 input_ids=ids,
