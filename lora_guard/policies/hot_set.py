@@ -185,10 +185,8 @@ class HotSetPolicy:
                     fits = fits and len(working | pinned | {adapter}) <= seats
                     seats_it = adapter not in resident
                     if fits and seats_it and self.seats:
-                        forced = r in aged or not (
-                            running or chosen
-                        )  # an idle engine waits for none
-                        fits = self.open_seats(state, r, forced, working) > seated
+                        idle = not (running or chosen)  # keeps no seat for traffic to come
+                        fits = self.open_seats(state, r, r in aged or idle, working) > seated
                     if not fits or (blocked and r not in aged):
                         blocked = blocked or r in aged
                         continue
