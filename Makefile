@@ -24,7 +24,7 @@ test-clients: peers demo
 	$(BIN)/python -m pytest -m clients -rP
 
 ## test-vllm: lora_guard.vllm inside vLLM's CPU build (its environment made as for the bench, then
-## this checkout installed into it); two vLLM servers of a tiny model, about 3 minutes
+## this checkout installed into it); four vLLM servers of a tiny model, about 5 minutes
 test-vllm: bootstrap
 	$(BIN)/python -m lora_guard.bench.peer_env vllm
 	$(BIN)/python -m pytest -m vllm -rP

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+import subprocess
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
+import lora_guard
+from lora_guard.bench.peer_env import PEERS
+from lora_guard.bench.servers import ServerLaunch, stop_server, wait_ready
+from lora_guard.bench.servers import start_server as start_process
+from lora_guard.bench.vllm_peer import cpu_list
 from lora_guard.demo.adapters import make_adapters
 from lora_guard.demo.testing import (
     ServerProcess,
@@ -99,3 +106,73 @@ def serves_correctly(
             assert [t["id"] for t in r.json()["details"]["tokens"]] == tokens, (prompt, adapter)
 
     return check
+
+
+@pytest.fixture(scope="session")
+def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Llama with a head size vLLM's CPU attention takes (64), and room for long
+    generations."""
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("vllm-model"),
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """vLLM's environment, made as the bench makes it, with this checkout of lora-guard installed
+    into it (its own dependencies are vLLM's, but pluggy)."""
+    python = PEERS["vllm"].make()
+    pip = [str(python), "-m", "pip", "-q", "--disable-pip-version-check", "install"]
+    checkout = Path(lora_guard.__file__).resolve().parents[1]
+    subprocess.run([*pip, "pluggy>=1.5"], check=True)
+    subprocess.run([*pip, "--no-deps", "-e", str(checkout)], check=True)
+    return python
+
+
+@contextmanager
+def serve_vllm(
+    python: Path,
+    model: Path,
+    adapters: Mapping[str, Path],
+    log: Path,
+    *,
+    args: Sequence[str] = (),
+    environment: Mapping[str, str] | None = None,
+) -> Iterator[str]:
+    """``vllm serve`` of ``model`` as ``tiny`` with LoRA ``adapters`` (rank 8 at most), float32,
+    prefix caching on, tuned for this machine's cores; yields its URL."""
+    port = free_port()
+    modules = [f"{name}={folder}" for name, folder in adapters.items()]
+    # flags and their values side by side, as on a command line (fmt: skip)
+    command = [
+        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--kv-cache-memory-bytes", str(64 * 2**20),
+        "--enable-lora", "--max-lora-rank", "8", "--lora-modules", *modules,
+        "--enable-prefix-caching", "--enable-prompt-tokens-details", *args,
+    ]  # fmt: skip
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": cpu_list({0, 1}),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        "LORA_GUARD_VLLM_DIR": str(log.parent / f"lora-guard-vllm-{port}"),
+        **(environment or {}),
+    }
+    server = start_process(ServerLaunch(command, env), log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(server, url, log)
+        yield url
+    finally:
+        stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def vllm_serve() -> Callable[..., AbstractContextManager[str]]:
+    """:func:`serve_vllm`, for the vLLM tests."""
+    return serve_vllm

@@ -10,23 +10,19 @@ steps, vLLM shares both (its key is the adapter's name and path only).
 from __future__ import annotations
 
 import shutil
-import subprocess
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-import lora_guard
-from lora_guard.bench.peer_env import PEERS
-from lora_guard.bench.servers import ServerLaunch, start_server, stop_server, wait_ready
-from lora_guard.bench.vllm_peer import cpu_list
 from lora_guard.demo.adapters import make_adapters
-from lora_guard.demo.testing import free_port, make_tiny_llama
 
 pytestmark = pytest.mark.vllm
+
+ServeVllm = Callable[..., AbstractContextManager[str]]
 
 # a prompt of several 16-token blocks, so that a hit is visible in cached_tokens
 PROMPT = "a system prompt shared by every request of a tenant: " + " ".join(
@@ -35,59 +31,27 @@ PROMPT = "a system prompt shared by every request of a tenant: " + " ".join(
 
 
 @pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    """vLLM's environment, with this checkout of lora-guard installed into it (its own
-    dependencies are vLLM's, but pluggy)."""
-    python = PEERS["vllm"].make()
-    pip = [str(python), "-m", "pip", "-q", "--disable-pip-version-check", "install"]
-    checkout = Path(lora_guard.__file__).resolve().parents[1]
-    subprocess.run([*pip, "pluggy>=1.5"], check=True)
-    subprocess.run([*pip, "--no-deps", "-e", str(checkout)], check=True)
-    return python
-
-
-@pytest.fixture(scope="module")
-def tiny_for_vllm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
-    """A random Llama with a head size vLLM's CPU attention takes (64), and two adapters."""
-    model = make_tiny_llama(
-        tmp_path_factory.mktemp("vllm-model"),
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+def tiny_for_vllm(
+    vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path, Path]:
+    """The tiny model vLLM takes, and two adapters."""
     out = tmp_path_factory.mktemp("vllm-adapters")
-    first, second = make_adapters(model, out, n=2, ranks=(8,), prefix="v")
-    return model, first, second
+    first, second = make_adapters(vllm_model, out, n=2, ranks=(8,), prefix="v")
+    return vllm_model, first, second
 
 
-@contextmanager
-def vllm_server(python: Path, model: Path, adapter: Path, log: Path, plugin: bool) -> Iterator[str]:
-    port = free_port()
-    # flags and their values side by side, as on a command line (fmt: skip)
-    command = [
-        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 * 2**20),
-        "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-        "--lora-modules", f"a={adapter}", "--enable-prefix-caching",
-        "--enable-prompt-tokens-details",
-    ]  # fmt: skip
-    if plugin:
-        command += ["--middleware", "lora_guard.vllm.KVScope"]
-    environment = {
-        "VLLM_CPU_OMP_THREADS_BIND": cpu_list({0, 1}),
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-        "LORA_GUARD_KV_NAMESPACE_SCOPE": "tenant",
-    }
-    server = start_server(ServerLaunch(command, environment), log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(server, url, log)
-        yield url
-    finally:
-        stop_server(server)
+def vllm_server(
+    serve: ServeVllm, python: Path, model: Path, adapter: Path, log: Path, plugin: bool
+) -> AbstractContextManager[str]:
+    extra = ["--middleware", "lora_guard.vllm.KVScope"] if plugin else []
+    return serve(
+        python,
+        model,
+        {"a": adapter},
+        log,
+        args=["--max-num-seqs", "4", "--max-loras", "2", *extra],
+        environment={"LORA_GUARD_KV_NAMESPACE_SCOPE": "tenant"},
+    )
 
 
 def ask(url: str, tenant: str) -> tuple[int, str]:
@@ -113,12 +77,12 @@ def reload_with_new_weights(url: str, folder: Path, weights_from: Path) -> None:
 
 
 def run_steps(
-    python: Path, tiny: tuple[Path, Path, Path], tmp_path: Path, plugin: bool
+    serve: ServeVllm, python: Path, tiny: tuple[Path, Path, Path], tmp_path: Path, plugin: bool
 ) -> dict[str, tuple[int, str]]:
     model, first, second = tiny
     folder = tmp_path / "a"
     shutil.copytree(first, folder)
-    with vllm_server(python, model, folder, tmp_path / "vllm.log", plugin) as url:
+    with vllm_server(serve, python, model, folder, tmp_path / "vllm.log", plugin) as url:
         seen = {"A first": ask(url, "A"), "A again": ask(url, "A"), "B": ask(url, "B")}
         reload_with_new_weights(url, folder, second)
         seen["A after reload"] = ask(url, "A")
@@ -127,9 +91,9 @@ def run_steps(
 
 
 def test_kv_scope_keeps_tenants_and_adapter_versions_apart(
-    vllm_python: Path, tiny_for_vllm: tuple[Path, Path, Path], tmp_path: Path
+    vllm_serve: ServeVllm, vllm_python: Path, tiny_for_vllm: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:
-    seen = run_steps(vllm_python, tiny_for_vllm, tmp_path / "with", plugin=True)
+    seen = run_steps(vllm_serve, vllm_python, tiny_for_vllm, tmp_path / "with", plugin=True)
     cached = {step: hit for step, (hit, _) in seen.items()}
     assert cached["A first"] == 0 and cached["A again"] > 0  # a tenant's own prefix is reused
     assert cached["B"] == 0  # another tenant's identical prompt is not
@@ -141,8 +105,8 @@ def test_kv_scope_keeps_tenants_and_adapter_versions_apart(
 
 
 def test_without_it_vllm_shares_prefixes_across_tenants_and_adapter_versions(
-    vllm_python: Path, tiny_for_vllm: tuple[Path, Path, Path], tmp_path: Path
+    vllm_serve: ServeVllm, vllm_python: Path, tiny_for_vllm: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:
-    seen = run_steps(vllm_python, tiny_for_vllm, tmp_path / "without", plugin=False)
+    seen = run_steps(vllm_serve, vllm_python, tiny_for_vllm, tmp_path / "without", plugin=False)
     assert seen["B"][0] > 0  # tenant B hits tenant A's prefix
     assert seen["A after reload"][0] > 0  # the new weights read KV of the old ones

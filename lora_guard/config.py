@@ -65,7 +65,8 @@ from lora_guard.plugins.options import Option, OptionRegistry
 
 ENV_PREFIX = "LORA_GUARD_"
 #: ``LORA_GUARD_*`` variables with a meaning of their own: never read as settings, never an error.
-RESERVED_ENV = frozenset({"LORA_GUARD_HOME", DISABLE_AUTOLOAD_ENV})
+# LORA_GUARD_VLLM_DIR: the folder of lora_guard.vllm.channel, read by vLLM's processes
+RESERVED_ENV = frozenset({"LORA_GUARD_HOME", DISABLE_AUTOLOAD_ENV, "LORA_GUARD_VLLM_DIR"})
 PROG = "lora-guard serve"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})

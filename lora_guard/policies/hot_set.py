@@ -13,7 +13,10 @@ batch will hold at its longest (the working set) and a seat is free or may be fr
 go: a request whose adapter cannot be seated never holds back one whose adapter is resident. A
 tenant running more than twice its share of the batch (running requests over active tenants)
 waits while other tenants have requests. A request that has waited ``max_adapter_wait_s`` goes
-ahead of all, and no request for an adapter outside the working set is admitted before it.
+ahead of all, and no request for an adapter outside the working set is admitted before it; when
+its adapter cannot be seated, the running adapter it would displace first takes no new requests
+until its running ones end (it drains), so the wait stays bounded even when a steady stream keeps
+every seat busy.
 
 Heat is the number of requests per adapter over a sliding window (the engine's, ``heat_window_s``).
 To make room, adapters no running request uses leave first, the least heat per page first (a
@@ -168,9 +171,10 @@ class HotSetPolicy:
         seated = 0  # adapters of this batch that must take a seat
         chosen: list[str] = []
         blocked = False  # an aged request's adapter does not fit yet: no other adapter joins
+        draining: set[str] = set()  # adapters whose new requests wait until their seat is free
         for group in (aged, fresh):
             for r in group:
-                if flooding(r.tenant_id):
+                if flooding(r.tenant_id) or r.adapter_id in draining:
                     continue  # its turn comes when its running requests drop to its share
                 need = self.kv_pages(r, state)
                 if need > room and (chosen or running):
@@ -188,6 +192,8 @@ class HotSetPolicy:
                         idle = not (running or chosen)  # keeps no seat for traffic to come
                         fits = self.open_seats(state, r, r in aged or idle, working) > seated
                     if not fits or (blocked and r not in aged):
+                        if r in aged and not blocked:
+                            draining = self.drain_for(state, r, working)
                         blocked = blocked or r in aged
                         continue
                     working.add(adapter)
@@ -197,6 +203,16 @@ class HotSetPolicy:
                 chosen.append(r.request_id)
                 served[r.tenant_id] += 1
         return chosen
+
+    def drain_for(self, state: EngineState, request: RequestView, working: set[str]) -> set[str]:
+        """The running adapter whose seat ``request`` (waited on ``max_adapter_wait_s``, its
+        adapter kept out) takes once its running requests end: the first it may displace. Its
+        new requests wait meanwhile, so the seat frees within one generation even under a
+        steady stream for every seated adapter."""
+        for v in self.victims(state, request, forced=True):
+            if v.refs and v.adapter_id in working:
+                return {v.adapter_id}
+        return set()
 
     def open_seats(
         self, state: EngineState, request: RequestView, forced: bool, keep: set[str]

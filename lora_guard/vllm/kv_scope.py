@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Awaitable, Callable, Hashable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from lora_guard.engine.lora.checkpoint import CONFIG_FILE, WEIGHTS_FILE, content
 from lora_guard.plugins.manager import Hooks
 from lora_guard.plugins.state import RequestView
 from lora_guard.tenancy import header_tenant
+from lora_guard.vllm.settings import configured_hooks
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -39,16 +39,6 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 SALTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 MAX_BODY_BYTES = 64 * 2**20  # a larger body passes untouched; vLLM answers it
 TESTED_VLLM = ("0.32",)  # major.minor of the vLLM releases the integration test runs on
-
-
-def configured_hooks(environ: Mapping[str, str] = os.environ) -> Hooks:
-    """The plugins lora-guard's settings choose, configured from ``LORA_GUARD_*`` and the
-    ``LORA_GUARD_CONFIG`` file, as ``lora-guard serve`` reads them."""
-    from lora_guard.config import load_settings
-
-    settings = load_settings([], environ)
-    settings.hooks.configure(dict(settings.options))
-    return settings.hooks
 
 
 class AdapterDigests:
@@ -94,7 +84,7 @@ class KVScope:
 
     def __init__(self, app: ASGIApp, hooks: Hooks | None = None) -> None:
         self.app = app
-        self.hooks = hooks if hooks is not None else configured_hooks()
+        self.hooks = hooks if hooks is not None else configured_hooks()[0]
         self.digests = AdapterDigests()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -105,14 +95,14 @@ class KVScope:
         ):
             await self.app(scope, receive, send)
             return
-        body, more = await _read_body(receive)
+        body, more = await read_body(receive)
         if more:  # too large to rewrite: passed on as it came
-            await self.app(scope, _replay(body, receive, more=True), send)
+            await self.app(scope, replay(body, receive, more=True), send)
             return
         salted = self.salted(scope, body)
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(salted)).encode()))
-        await self.app({**scope, "headers": headers}, _replay(salted, receive), send)
+        await self.app({**scope, "headers": headers}, replay(salted, receive), send)
 
     def salted(self, scope: Scope, body: bytes) -> bytes:
         """``body`` with its ``cache_salt`` set; a body that is not a JSON object is vLLM's to
@@ -158,7 +148,7 @@ class KVScope:
         return json.dumps(payload).encode()
 
 
-async def _read_body(receive: Receive) -> tuple[bytes, bool]:
+async def read_body(receive: Receive) -> tuple[bytes, bool]:
     """The request's body, and whether more of it is left unread (past ``MAX_BODY_BYTES``)."""
     chunks: list[bytes] = []
     size = 0
@@ -175,7 +165,7 @@ async def _read_body(receive: Receive) -> tuple[bytes, bool]:
             return b"".join(chunks), True
 
 
-def _replay(body: bytes, receive: Receive, more: bool = False) -> Receive:
+def replay(body: bytes, receive: Receive, more: bool = False) -> Receive:
     """A ``receive`` that gives ``body`` first, then what the client sends next."""
     sent = False
 

@@ -7,6 +7,8 @@ the engine is busy."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from lora_guard.plugins import Defer, Load
 from lora_guard.plugins.state import EngineState, RequestView, SlotView
 from lora_guard.policies.hot_set import HotSetPolicy
@@ -59,3 +61,38 @@ def test_an_idle_engine_lets_the_oldest_request_take_an_idle_hot_seat() -> None:
     assert chosen == ["old-a2"]
     decision = policy().lora_guard_adapter_load(OLD_A2, "warm", state(running=0), parked=False)
     assert decision == Load(0)
+
+
+def busy_seats(b1_refs: int) -> EngineState:
+    """Both seats in use by running requests: tenant B's hot ``b1`` and tenant C's cooler
+    ``c1``."""
+    return EngineState(
+        step=10,
+        now=NOW,
+        slots=(SlotView(0, "b1", b1_refs, 99.0, True, 4), SlotView(1, "c1", 2, 99.0, True, 4)),
+        host_adapters=("a2",),
+        loading=frozenset(),
+        memory_watermark=0.1,
+        num_waiting=3,
+        num_running=2 + b1_refs,
+        heat={"b1": 9, "c1": 3, "a2": 1},
+        tenant_heat={("B", "b1"): 9, ("C", "c1"): 3, ("A", "a2"): 1},
+        adapter_pages={"c1": 4, "a2": 4, "b1": 4},
+        pool_pages=100,
+    )
+
+
+def test_an_aged_request_drains_the_seat_it_takes_while_streams_keep_every_seat_busy() -> None:
+    aged = request("aged-a2", "a2", "A", NOW - 9.0)  # past max_adapter_wait_s (8 s)
+    waiting = [aged, request("new-b1", "b1", "B", NOW - 0.2), request("new-c1", "c1", "C", NOW)]
+    running = [
+        request(f"run-{a}-{i}", a, a[0].upper(), NOW - 1.0) for a in ("b1", "c1") for i in (0, 1)
+    ]
+    # c1 has the least heat per page: its new requests wait; b1's keep coming
+    assert policy().lora_guard_batch_form(waiting, running, busy_seats(b1_refs=2)) == ["new-b1"]
+    # once c1's running requests have ended, its seat goes to the aged request
+    busy = busy_seats(b1_refs=2)
+    seated = replace(busy, slots=(busy.slots[0], SlotView(1, "c1", 0, 99.0, True, 4)))
+    still_running = [r for r in running if r.adapter_id == "b1"]
+    chosen = policy().lora_guard_batch_form(waiting, still_running, seated)
+    assert chosen[0] == "aged-a2" and "new-c1" not in chosen

@@ -1,0 +1,94 @@
+"""What the engine core and the front end of one ``vllm serve`` tell each other, as files in one
+folder: the scheduler's view of the adapter seats (for the door's 429), lora-guard's metrics (for
+``/metrics``) and the door's rejections (for the cold-load metrics).
+
+vLLM runs its scheduler in an engine-core process that the front end starts, so both find the
+folder from the front end's process id; ``LORA_GUARD_VLLM_DIR`` names it instead (needed when
+several front ends serve one engine, ``--api-server-count``). Files are replaced whole (written
+aside, then renamed), so a reader never sees half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+DIR_ENV = "LORA_GUARD_VLLM_DIR"
+SEATS_FILE = "seats.json"
+METRICS_FILE = "metrics.prom"
+REJECTS_FILE = "rejects.jsonl"
+
+
+def channel_dir(front_end_pid: int, environ: Mapping[str, str] = os.environ) -> Path:
+    """The folder of the ``vllm serve`` whose front end runs as ``front_end_pid``."""
+    given = environ.get(DIR_ENV)
+    folder = (
+        Path(given) if given else Path(tempfile.gettempdir()) / f"lora-guard-vllm-{front_end_pid}"
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def front_end_pid() -> int:
+    """The front end's process id, asked from the engine core: its parent, or itself when vLLM
+    runs the engine in-process."""
+    return os.getppid() if multiprocessing.parent_process() is not None else os.getpid()
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    aside = path.with_name(f".{path.name}.{os.getpid()}")
+    aside.write_bytes(data)
+    os.replace(aside, path)
+
+
+class FileWatch:
+    """A file read again only when it changed; ``b""`` while it does not exist."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._stamp: tuple[int, int] | None = None
+        self._data = b""
+
+    def read(self) -> bytes:
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            return b""
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        if stamp != self._stamp:
+            self._data, self._stamp = self.path.read_bytes(), stamp
+        return self._data
+
+    def json(self) -> dict[str, Any]:
+        data = self.read()
+        return json.loads(data) if data else {}
+
+
+class LineTail:
+    """The lines appended to a file since the last call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    def new_lines(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]  # a line being written waits for the next call
+        self._offset += len(complete)
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+
+def append_line(path: Path, record: Mapping[str, Any]) -> None:
+    """One JSON line, written in one call (appends of a line this short do not interleave)."""
+    with path.open("ab") as f:
+        f.write(json.dumps(record).encode() + b"\n")

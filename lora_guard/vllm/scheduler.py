@@ -1,0 +1,109 @@
+"""vLLM's scheduler with lora-guard's admission: ``vllm serve ... --scheduler-cls
+lora_guard.vllm.AsyncScheduler`` (or ``lora_guard.vllm.Scheduler`` where async scheduling is off).
+
+Before each of vLLM's scheduling passes the waiting requests that lora-guard's policies hold back
+(batch form leaves them out, or their adapter load is deferred) leave vLLM's waiting queue; vLLM's
+own pass runs unchanged on the rest, and the held requests go back in arrival order. So vLLM keeps
+its token budget, KV allocation, preemption and ``max_loras`` gate, and the policies decide who
+may join. vLLM's scheduler is not a public interface: this module refuses to start on a vLLM
+release it was not tested on (:data:`TESTED_VLLM`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import vllm
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+from vllm.v1.request import RequestStatus
+
+from lora_guard.vllm import channel
+from lora_guard.vllm.guard import SchedulerGuard
+from lora_guard.vllm.kv_scope import TESTED_VLLM
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+def check_version(version: str = vllm.__version__) -> None:
+    release = ".".join(version.split(".")[:2])
+    if release not in TESTED_VLLM:
+        raise RuntimeError(
+            f"lora_guard.vllm's scheduler is tested on vLLM {', '.join(TESTED_VLLM)}, not "
+            f"{version}: vLLM's scheduler changes between releases; drop --scheduler-cls or "
+            "install a lora-guard that names this release"
+        )
+
+
+class GuardedScheduling:
+    """The part shared by both scheduler classes: vLLM's methods, wrapped."""
+
+    guard: SchedulerGuard
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_version()
+        super().__init__(*args, **kwargs)
+        lora = self.lora_config  # type: ignore[attr-defined]
+        if lora is None:
+            raise RuntimeError("lora_guard.vllm's scheduler needs --enable-lora")
+        self.guard = SchedulerGuard(
+            max_loras=lora.max_loras,
+            max_cpu_loras=lora.max_cpu_loras or lora.max_loras,
+            num_blocks=self.cache_config.num_gpu_blocks,  # type: ignore[attr-defined]
+            block_size=self.block_size,  # type: ignore[attr-defined]
+            folder=channel.channel_dir(channel.front_end_pid()),
+        )
+
+    def add_request(self, request: Any) -> None:
+        super().add_request(request)  # type: ignore[misc]
+        self.guard.arrived(request)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        waiting = self.waiting  # type: ignore[attr-defined]
+        queued = list(waiting)
+        held_ids = self.guard.hold_back(queued, list(self.running))  # type: ignore[attr-defined]
+        held = [r for r in queued if r.request_id in held_ids]
+        if held:
+            waiting.remove_requests(held)
+        try:
+            output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            if held:
+                left = list(waiting)
+                waiting.remove_requests(left)
+                for request in sorted([*left, *held], key=lambda r: r.arrival_time):
+                    waiting.add_request(request)
+        unfinished = [*self.running, *self.waiting]  # type: ignore[attr-defined]
+        self.guard.scheduled(output, self.requests, unfinished)  # type: ignore[attr-defined]
+        return output
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        outputs = super().update_from_output(  # type: ignore[misc]
+            scheduler_output, model_runner_output
+        )
+        self.guard.step_done(
+            scheduler_output,
+            list(self.waiting),  # type: ignore[attr-defined]
+            list(self.running),  # type: ignore[attr-defined]
+        )
+        return outputs
+
+    def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        reason = FINISH_REASONS.get(request.status)
+        if reason is None:
+            reason = "stop_sequence" if isinstance(request.stop_reason, str) else "eos_token"
+        self.guard.finished(request, reason)
+        return super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
+
+
+class Scheduler(GuardedScheduling, VllmScheduler):
+    """vLLM's ``Scheduler`` with lora-guard's admission."""
+
+
+class AsyncScheduler(GuardedScheduling, VllmAsyncScheduler):
+    """vLLM's ``AsyncScheduler`` (async scheduling, vLLM's default where it is on) with
+    lora-guard's admission."""
