@@ -122,9 +122,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--peer",
-        choices=("vllm",),
+        type=_peers,
+        default=(),
         help="also replay the trace on vLLM's CPU build, in its own virtual environment (made "
-        "on first use under $LORA_GUARD_HOME/peers)",
+        "on first use under $LORA_GUARD_HOME/peers): vllm, vllm-lora-guard (with lora-guard's "
+        "scheduler and door, docs/vllm.md), or both, comma-separated",
     )
     add("--peer-python", type=Path, help="an interpreter that has vLLM, instead of that venv")
     add("--peer-port", type=int, default=8701, help="loopback port for the peer")
@@ -180,6 +182,18 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
     return value
+
+
+#: peers ``--peer`` replays: vLLM alone, and vLLM with lora-guard's scheduler and door
+PEERS = ("vllm", "vllm-lora-guard")
+
+
+def _peers(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [n for n in names if n not in PEERS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"expected peers from {', '.join(PEERS)}, got {text!r}")
+    return names
 
 
 def _clients(text: str) -> list[int]:

@@ -98,6 +98,7 @@ def summarize(
         "median_tokens_per_s": percentile(speeds, 50),
         "ttft_p50_ms": percentile(ttft, 50),
         "ttft_p95_ms": percentile(ttft, 95),
+        "ttft_max_ms": max(ttft) if ttft else None,  # the longest any request waited
         "tokens_per_s": tokens / span if span > 0 else None,
         "generated_tokens": tokens,
         **hit_rates(run),

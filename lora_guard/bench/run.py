@@ -228,8 +228,8 @@ def _in_process(
     parts: list[SeedRun] = []
     engine: dict[str, Any] = {}
     peers: dict[str, Path] = {}  # a peer's name: the interpreter that runs it
-    if args.peer == "vllm":
-        peers["vllm"] = peer_python(args.peer_python, log=lambda msg: _progress(started, msg))
+    for name in args.peer:  # vllm, vllm-lora-guard: one interpreter
+        peers[name] = peer_python(args.peer_python, log=lambda msg: _progress(started, msg))
     for seed in _seeds(args):
         trace = _trace(args, spec if seed is None else replace(spec, seed=seed), ids, seed)
         used = {r.adapter_id for r in trace if r.adapter_id}
@@ -250,9 +250,14 @@ def _in_process(
                 _progress(started, f"{which}replaying {len(trace)} requests on {scheme}")
                 if scheme == "peft":
                     runs[scheme] = _call(isolated, replay_peft, trace, seed_options)
-                elif scheme == "vllm":
+                elif scheme in peers:
                     runs[scheme] = replay_vllm(
-                        trace, seed_options, peers["vllm"], args.peer_port, scratch / "vllm.log"
+                        trace,
+                        seed_options,
+                        peers[scheme],
+                        args.peer_port,
+                        scratch / f"{scheme}.log",
+                        guarded=scheme == "vllm-lora-guard",
                     )
                 else:
                     runs[scheme] = _call(

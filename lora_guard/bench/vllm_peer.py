@@ -48,9 +48,15 @@ def peer_python(explicit: Path | None = None, log: Any = print) -> Path:
 
 
 def replay_vllm(
-    trace: list[TraceRequest], options: EngineOptions, python: Path, port: int, log_file: Path
+    trace: list[TraceRequest],
+    options: EngineOptions,
+    python: Path,
+    port: int,
+    log_file: Path,
+    guarded: bool = False,
 ) -> SchemeRun:
-    """Start vLLM on ``port``, replay ``trace`` against it in real time, stop it."""
+    """Start vLLM on ``port`` (``guarded``: with lora-guard's scheduler and door, installed into
+    vLLM's environment from this lora-guard), replay ``trace`` against it in real time, stop it."""
     from transformers import AutoTokenizer
 
     from lora_guard.engine.tokens import encode_text
@@ -58,6 +64,9 @@ def replay_vllm(
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     adapters = sorted({r.adapter_id for r in trace if r.adapter_id is not None})
     launch = vllm_launch(python, options, adapters, port)
+    if guarded:
+        install_lora_guard(python)
+        launch = guard_launch(launch, options, log_file.parent / f"lora-guard-vllm-{port}")
     server = start_server(launch, log_file)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -84,7 +93,7 @@ def replay_vllm(
     finally:
         stop_server(server)
     return SchemeRun(
-        scheme="vllm",
+        scheme="vllm-lora-guard" if guarded else "vllm",
         records=list(records.values()),
         swap_ms=[],
         lookups=[],
@@ -162,6 +171,40 @@ def vllm_launch(
     tcmalloc = tcmalloc if tcmalloc is not None else system_tcmalloc()
     if tcmalloc is not None:
         environment["LD_PRELOAD"] = str(tcmalloc)
+    return ServerLaunch(command, environment)
+
+
+def install_lora_guard(python: Path) -> None:
+    """This lora-guard (its files, not a release) into vLLM's environment, without its
+    dependencies: vLLM's environment has them all but pluggy."""
+    import subprocess
+
+    import lora_guard
+
+    package = Path(lora_guard.__file__).resolve().parent
+    pip = [str(python), "-m", "pip", "-q", "--disable-pip-version-check", "install"]
+    subprocess.run([*pip, "pluggy>=1.5"], check=True)
+    if (package.parent / "pyproject.toml").exists():  # a checkout
+        subprocess.run([*pip, "--no-deps", "-e", str(package.parent)], check=True)
+    else:
+        subprocess.run([*pip, "--no-deps", f"lora-guard=={lora_guard.__version__}"], check=True)
+
+
+def guard_launch(launch: ServerLaunch, options: EngineOptions, folder: Path) -> ServerLaunch:
+    """``launch`` with lora-guard's scheduler and door (docs/vllm.md), its cold-load budget the
+    bench's."""
+    command = [
+        *launch.command,
+        "--scheduler-cls",
+        "lora_guard.vllm.AsyncScheduler",
+        "--middleware",
+        "lora_guard.vllm.Door",
+    ]
+    environment = {
+        **launch.environment,
+        "LORA_GUARD_COLD_LOADS_PER_MINUTE": str(options.cold_loads_per_minute),
+        "LORA_GUARD_VLLM_DIR": str(folder),
+    }
     return ServerLaunch(command, environment)
 
 

@@ -160,3 +160,12 @@ def test_seeds_are_read_as_a_list_and_seed_is_one_of_them() -> None:
     for bad in ("1,x", "1,1", ","):
         with pytest.raises(SystemExit):
             _parse("--seeds", bad)
+
+
+def test_peers_are_a_list_of_vllm_alone_and_vllm_with_lora_guard() -> None:
+    assert _parse().peer == ()
+    assert _parse("--peer", "vllm").peer == ("vllm",)
+    assert _parse("--peer", "vllm,vllm-lora-guard").peer == ("vllm", "vllm-lora-guard")
+    for bad in ("llama", "vllm,x", ","):
+        with pytest.raises(SystemExit):
+            _parse("--peer", bad)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lora_guard.bench.replay import EngineOptions
-from lora_guard.bench.vllm_peer import cpu_list, vllm_launch
+from lora_guard.bench.vllm_peer import cpu_list, guard_launch, vllm_launch
 from lora_guard.engine.config import parse_memory
 
 OPTIONS = EngineOptions(
@@ -33,6 +33,17 @@ def test_the_launch_binds_every_core_and_gives_our_kv_space() -> None:
     assert flag(launch.command, "--max-loras") == "4"
     assert launch.command[-2:] == ["a=/adapters/a", "b=/adapters/b"]
     assert launch.as_json() == {"command": launch.command, "environment": launch.environment}
+
+
+def test_the_guarded_peer_adds_lora_guards_scheduler_door_and_the_benchs_budget() -> None:
+    plain = vllm_launch(Path("/venv/bin/python"), OPTIONS, ["a", "b"], 8701, cores={0, 1})
+    guarded = guard_launch(plain, OPTIONS, Path("/scratch/channel"))
+    assert guarded.command[: len(plain.command)] == plain.command  # vLLM tuned the same way
+    assert flag(guarded.command, "--scheduler-cls") == "lora_guard.vllm.AsyncScheduler"
+    assert flag(guarded.command, "--middleware") == "lora_guard.vllm.Door"
+    budget = guarded.environment["LORA_GUARD_COLD_LOADS_PER_MINUTE"]
+    assert budget == str(OPTIONS.cold_loads_per_minute)
+    assert guarded.environment["LORA_GUARD_VLLM_DIR"] == "/scratch/channel"
 
 
 def test_tcmalloc_is_preloaded_when_the_machine_has_it(tmp_path: Path) -> None:
