@@ -37,6 +37,7 @@ from lora_guard.vllm.settings import configured_hooks
 TENANT_ARG = "lora_guard_tenant"
 METRIC_PREFIX = b"lora_guard_"
 PUBLISH_EVERY_S = 0.25
+MAX_IN_FLIGHT = 8  # steps scheduled and not yet reported (async scheduling keeps one or two)
 
 
 def adapter_of(request: Any) -> str | None:
@@ -72,7 +73,9 @@ class Seats:
             if len(self.seat_of) < self.size:
                 seat = min(set(range(self.size)) - set(self.seat_of.values()))
             else:
-                evicted = next(a for a in self.seat_of if a not in batch)
+                evicted = next((a for a in self.seat_of if a not in batch), None)
+                if evicted is None:
+                    continue  # more adapters than seats in one batch: vLLM's gate forbids it
                 seat = self.seat_of.pop(evicted)
             self.seat_of[adapter] = seat
             self.loaded_at[adapter] = now
@@ -257,6 +260,8 @@ class SchedulerGuard:
             if evicted is not None and evicted in needed:
                 self.usage.evicting_loads.add(adapter)
         self.in_flight[id(output)] = (self.step_started, loads)
+        while len(self.in_flight) > MAX_IN_FLIGHT:  # outputs vLLM never reported back
+            del self.in_flight[next(iter(self.in_flight))]
 
     def _first_schedule(self, request: Any, new: Any, now: float) -> None:
         rid = request.request_id
