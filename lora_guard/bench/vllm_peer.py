@@ -18,6 +18,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -190,9 +191,17 @@ def install_lora_guard(python: Path) -> None:
         subprocess.run([*pip, "--no-deps", f"lora-guard=={lora_guard.__version__}"], check=True)
 
 
-def guard_launch(launch: ServerLaunch, options: EngineOptions, folder: Path) -> ServerLaunch:
+def guard_launch(
+    launch: ServerLaunch,
+    options: EngineOptions,
+    folder: Path,
+    environ: Mapping[str, str] = os.environ,
+) -> ServerLaunch:
     """``launch`` with lora-guard's scheduler and door (docs/vllm.md), its cold-load budget the
-    bench's."""
+    bench's when the policies the server reads (``LORA_GUARD_POLICIES`` in ``environ``) have
+    one."""
+    from lora_guard.plugins.manager import parse_policies
+
     command = [
         *launch.command,
         "--scheduler-cls",
@@ -200,11 +209,9 @@ def guard_launch(launch: ServerLaunch, options: EngineOptions, folder: Path) -> 
         "--middleware",
         "lora_guard.vllm.Door",
     ]
-    environment = {
-        **launch.environment,
-        "LORA_GUARD_COLD_LOADS_PER_MINUTE": str(options.cold_loads_per_minute),
-        "LORA_GUARD_VLLM_DIR": str(folder),
-    }
+    environment = {**launch.environment, "LORA_GUARD_VLLM_DIR": str(folder)}
+    if "cold-budget" in parse_policies(environ.get("LORA_GUARD_POLICIES")):
+        environment["LORA_GUARD_COLD_LOADS_PER_MINUTE"] = str(options.cold_loads_per_minute)
     return ServerLaunch(command, environment)
 
 

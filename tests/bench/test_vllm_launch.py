@@ -37,13 +37,16 @@ def test_the_launch_binds_every_core_and_gives_our_kv_space() -> None:
 
 def test_the_guarded_peer_adds_lora_guards_scheduler_door_and_the_benchs_budget() -> None:
     plain = vllm_launch(Path("/venv/bin/python"), OPTIONS, ["a", "b"], 8701, cores={0, 1})
-    guarded = guard_launch(plain, OPTIONS, Path("/scratch/channel"))
+    guarded = guard_launch(plain, OPTIONS, Path("/scratch/channel"), {})
     assert guarded.command[: len(plain.command)] == plain.command  # vLLM tuned the same way
     assert flag(guarded.command, "--scheduler-cls") == "lora_guard.vllm.AsyncScheduler"
     assert flag(guarded.command, "--middleware") == "lora_guard.vllm.Door"
     budget = guarded.environment["LORA_GUARD_COLD_LOADS_PER_MINUTE"]
     assert budget == str(OPTIONS.cold_loads_per_minute)
     assert guarded.environment["LORA_GUARD_VLLM_DIR"] == "/scratch/channel"
+    # policies without a cold budget: no budget setting, which lora-guard would refuse
+    without = guard_launch(plain, OPTIONS, Path("/c"), {"LORA_GUARD_POLICIES": "hot-set"})
+    assert "LORA_GUARD_COLD_LOADS_PER_MINUTE" not in without.environment
 
 
 def test_tcmalloc_is_preloaded_when_the_machine_has_it(tmp_path: Path) -> None:
