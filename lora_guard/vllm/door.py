@@ -34,8 +34,11 @@ from lora_guard.vllm.kv_scope import (
     Receive,
     Scope,
     Send,
+    header_map,
     read_body,
     replay,
+    served_models,
+    sized,
     tenant_of,
 )
 from lora_guard.vllm.settings import configured_hooks
@@ -81,7 +84,7 @@ class Door:
         if not isinstance(payload, dict):  # vLLM's to answer
             await self.app(scope, replay(body, receive, more), send)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        headers = header_map(scope)
         tenant = tenant_of(headers)
         adapter = self._adapter(scope, payload.get("model"))
         wait = self.wait(adapter, time.time()) if adapter is not None else None
@@ -107,13 +110,12 @@ class Door:
         if extra is None or isinstance(extra, dict):
             payload["vllm_xargs"] = {**(extra or {}), TENANT_ARG: tenant}
         body = json.dumps(payload).encode()
-        fixed = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
-        fixed.append((b"content-length", str(len(body)).encode()))
-        await self.app({**scope, "headers": fixed}, replay(body, receive), send)
+        scope = {**scope, "headers": sized(scope["headers"], body)}
+        await self.app(scope, replay(body, receive), send)
 
     @staticmethod
     def _adapter(scope: Scope, model: Any) -> str | None:
-        models = getattr(getattr(scope.get("app"), "state", None), "openai_serving_models", None)
+        models = served_models(scope)
         if models is None or not isinstance(model, str):
             return None
         return model if model in models.lora_requests else None
@@ -164,11 +166,7 @@ class Door:
             body = b"".join(chunks)
             if start.get("status") == 200:
                 body += self.metrics.read()
-            headers = [
-                (k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"
-            ]
-            headers.append((b"content-length", str(len(body)).encode()))
-            await send({**start, "headers": headers})
+            await send({**start, "headers": sized(start.get("headers", []), body)})
             await send({"type": "http.response.body", "body": body})
 
         plain = [(k, v) for k, v in scope["headers"] if k.lower() != b"accept-encoding"]

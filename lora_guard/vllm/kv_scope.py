@@ -100,9 +100,8 @@ class KVScope:
             await self.app(scope, replay(body, receive, more=True), send)
             return
         salted = self.salted(scope, body)
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
-        headers.append((b"content-length", str(len(salted)).encode()))
-        await self.app({**scope, "headers": headers}, replay(salted, receive), send)
+        scope = {**scope, "headers": sized(scope["headers"], salted)}
+        await self.app(scope, replay(salted, receive), send)
 
     def salted(self, scope: Scope, body: bytes) -> bytes:
         """``body`` with its ``cache_salt`` set; a body that is not a JSON object is vLLM's to
@@ -116,7 +115,7 @@ class KVScope:
         own_salt = payload.get("cache_salt")
         if own_salt is not None and not (isinstance(own_salt, str) and own_salt):
             return body  # vLLM's own check answers a malformed salt
-        models = getattr(getattr(scope.get("app"), "state", None), "openai_serving_models", None)
+        models = served_models(scope)
         if models is None:
             raise RuntimeError(
                 "KVScope runs inside vLLM's OpenAI server (--middleware), whose registry of "
@@ -128,7 +127,7 @@ class KVScope:
         lora = models.lora_requests.get(model) if isinstance(model, str) else None
         adapter_id = model if lora is not None else None
         adapter_hash = self.digests.of(Path(lora.lora_path)) if lora is not None else None
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        headers = header_map(scope)
         view = RequestView(
             request_id="",
             adapter_id=adapter_id,
@@ -146,6 +145,23 @@ class KVScope:
             namespace = ("base", base, "adapter", adapter_id, "weights", adapter_hash)
         payload["cache_salt"] = salt_of(namespace)
         return json.dumps(payload).encode()
+
+
+def served_models(scope: Scope) -> Any:
+    """vLLM's registry of served models and adapters (``app.state.openai_serving_models``), or
+    None outside vLLM's OpenAI server."""
+    return getattr(getattr(scope.get("app"), "state", None), "openai_serving_models", None)
+
+
+def header_map(scope: Scope) -> dict[str, str]:
+    """The request's headers by lower-case name."""
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+def sized(headers: list[tuple[bytes, bytes]], body: bytes) -> list[tuple[bytes, bytes]]:
+    """``headers`` with a ``content-length`` that is ``body``'s."""
+    kept = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+    return [*kept, (b"content-length", str(len(body)).encode())]
 
 
 async def read_body(receive: Receive) -> tuple[bytes, bool]:
