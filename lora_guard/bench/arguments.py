@@ -126,7 +126,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=(),
         help="also replay the trace on vLLM's CPU build, in its own virtual environment (made "
         "on first use under $LORA_GUARD_HOME/peers): vllm, vllm-lora-guard (with lora-guard's "
-        "scheduler and door, docs/vllm.md), or both, comma-separated",
+        "scheduler and door, docs/vllm.md), vllm-all-resident (vLLM alone with a seat for every "
+        "adapter: the bound for any policy inside vLLM), comma-separated",
     )
     add("--peer-python", type=Path, help="an interpreter that has vLLM, instead of that venv")
     add("--peer-port", type=int, default=8701, help="loopback port for the peer")
@@ -184,8 +185,9 @@ def _positive(text: str) -> int:
     return value
 
 
-#: peers ``--peer`` replays: vLLM alone, and vLLM with lora-guard's scheduler and door
-PEERS = ("vllm", "vllm-lora-guard")
+#: peers ``--peer`` replays: vLLM alone, vLLM with lora-guard's scheduler and door, and vLLM alone
+#: with a seat for every adapter (the bound for any policy inside vLLM)
+PEERS = ("vllm", "vllm-lora-guard", "vllm-all-resident")
 
 
 def _peers(text: str) -> tuple[str, ...]:

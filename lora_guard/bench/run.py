@@ -228,7 +228,7 @@ def _in_process(
     parts: list[SeedRun] = []
     engine: dict[str, Any] = {}
     peers: dict[str, Path] = {}  # a peer's name: the interpreter that runs it
-    for name in args.peer:  # vllm, vllm-lora-guard: one interpreter
+    for name in args.peer:  # every vLLM peer: one interpreter
         peers[name] = peer_python(args.peer_python, log=lambda msg: _progress(started, msg))
     for seed in _seeds(args):
         trace = _trace(args, spec if seed is None else replace(spec, seed=seed), ids, seed)
@@ -257,7 +257,7 @@ def _in_process(
                         peers[scheme],
                         args.peer_port,
                         scratch / f"{scheme}.log",
-                        guarded=scheme == "vllm-lora-guard",
+                        peer=scheme,
                     )
                 else:
                     runs[scheme] = _call(

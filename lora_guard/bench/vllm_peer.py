@@ -19,6 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -54,20 +55,25 @@ def replay_vllm(
     python: Path,
     port: int,
     log_file: Path,
-    guarded: bool = False,
+    peer: str = "vllm",
 ) -> SchemeRun:
-    """Start vLLM on ``port`` (``guarded``: with lora-guard's scheduler and door, installed into
-    vLLM's environment from this lora-guard), replay ``trace`` against it in real time, stop it."""
+    """Start ``peer`` on ``port``, replay ``trace`` against it in real time, stop it.
+
+    ``vllm``: vLLM alone. ``vllm-lora-guard``: with lora-guard's scheduler and door, installed into
+    vLLM's environment from this lora-guard. ``vllm-all-resident``: vLLM alone with a seat for
+    every adapter the trace names (``--max-loras`` = all of them), so no request waits for a seat
+    and no adapter is swapped in after its first use: the latency no admission or residency policy
+    inside vLLM can beat on this trace.
+    """
     from transformers import AutoTokenizer
 
     from lora_guard.engine.tokens import encode_text
 
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     adapters = sorted({r.adapter_id for r in trace if r.adapter_id is not None})
-    launch = vllm_launch(python, options, adapters, port)
-    if guarded:
+    if peer == "vllm-lora-guard":
         install_lora_guard(python)
-        launch = guard_launch(launch, options, log_file.parent / f"lora-guard-vllm-{port}")
+    launch = peer_launch(peer, python, options, adapters, port, log_file.parent)
     server = start_server(launch, log_file)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -94,11 +100,11 @@ def replay_vllm(
     finally:
         stop_server(server)
     return SchemeRun(
-        scheme="vllm-lora-guard" if guarded else "vllm",
+        scheme=peer,
         records=list(records.values()),
         swap_ms=[],
         lookups=[],
-        slots=options.max_loras or len({r.adapter_id for r in trace if r.adapter_id}),
+        slots=int(launch.command[launch.command.index("--max-loras") + 1]) if adapters else 0,
         kv_conflicts=0,
         cold_loads={"loaded": 0, "rejected": 0, "failed": 0},
         memory={},
@@ -107,6 +113,24 @@ def replay_vllm(
         served=[r.adapter_id for r in trace],
         peer=launch.as_json() | {"log": shared(log_file.read_text(errors="replace"))},
     )
+
+
+def peer_launch(
+    peer: str,
+    python: Path,
+    options: EngineOptions,
+    adapters: list[str],
+    port: int,
+    scratch: Path,
+) -> ServerLaunch:
+    """How ``peer`` (see :func:`replay_vllm`) starts on ``port``; ``scratch`` holds the folder
+    lora-guard's scheduler and door share."""
+    if peer == "vllm-all-resident":
+        options = replace(options, max_loras=len(adapters))
+    launch = vllm_launch(python, options, adapters, port)
+    if peer == "vllm-lora-guard":
+        launch = guard_launch(launch, options, scratch / f"lora-guard-vllm-{port}")
+    return launch
 
 
 def vllm_launch(

@@ -166,6 +166,7 @@ def test_peers_are_a_list_of_vllm_alone_and_vllm_with_lora_guard() -> None:
     assert _parse().peer == ()
     assert _parse("--peer", "vllm").peer == ("vllm",)
     assert _parse("--peer", "vllm,vllm-lora-guard").peer == ("vllm", "vllm-lora-guard")
+    assert _parse("--peer", "vllm-all-resident").peer == ("vllm-all-resident",)
     for bad in ("llama", "vllm,x", ","):
         with pytest.raises(SystemExit):
             _parse("--peer", bad)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lora_guard.bench.replay import EngineOptions
-from lora_guard.bench.vllm_peer import cpu_list, guard_launch, vllm_launch
+from lora_guard.bench.vllm_peer import cpu_list, guard_launch, peer_launch, vllm_launch
 from lora_guard.engine.config import parse_memory
 
 OPTIONS = EngineOptions(
@@ -47,6 +47,24 @@ def test_the_guarded_peer_adds_lora_guards_scheduler_door_and_the_benchs_budget(
     # policies without a cold budget: no budget setting, which lora-guard would refuse
     without = guard_launch(plain, OPTIONS, Path("/c"), {"LORA_GUARD_POLICIES": "hot-set"})
     assert "LORA_GUARD_COLD_LOADS_PER_MINUTE" not in without.environment
+
+
+def test_the_all_resident_bound_is_vllm_alone_with_a_seat_for_every_adapter() -> None:
+    adapters = ["a", "b", "c", "d", "e", "f"]
+    python, scratch = Path("/venv/bin/python"), Path("/scratch")
+    plain = peer_launch("vllm", python, OPTIONS, adapters, 8701, scratch)
+    bound = peer_launch("vllm-all-resident", python, OPTIONS, adapters, 8701, scratch)
+    assert flag(plain.command, "--max-loras") == "4"
+    assert flag(bound.command, "--max-loras") == "6"
+    assert "--scheduler-cls" not in bound.command  # vLLM's own scheduler
+    assert bound.environment == plain.environment  # tuned the same way
+    at = plain.command.index("--max-loras") + 1
+    assert (
+        bound.command[:at] + bound.command[at + 1 :] == plain.command[:at] + plain.command[at + 1 :]
+    )
+    guarded = peer_launch("vllm-lora-guard", python, OPTIONS, adapters, 8701, scratch)
+    assert flag(guarded.command, "--max-loras") == "4"
+    assert guarded.environment["LORA_GUARD_VLLM_DIR"] == "/scratch/lora-guard-vllm-8701"
 
 
 def test_tcmalloc_is_preloaded_when_the_machine_has_it(tmp_path: Path) -> None:
