@@ -4,12 +4,14 @@ folder: the scheduler's view of the adapter seats (for the door's 429), lora-gua
 
 vLLM runs its scheduler in an engine-core process that the front end starts, so both find the
 folder from the front end's process id; ``LORA_GUARD_VLLM_DIR`` names it instead (needed when
-several front ends serve one engine, ``--api-server-count``). Files are replaced whole (written
-aside, then renamed), so a reader never sees half of one.
+several front ends serve one engine, ``--api-server-count``). The seats and metrics files are
+replaced whole (written aside, then renamed), so a reader never sees half of one; the rejections
+are lines the door appends and the scheduler takes, emptying the file.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import multiprocessing
 import os
@@ -69,26 +71,25 @@ class FileWatch:
         return json.loads(data) if data else {}
 
 
-class LineTail:
-    """The lines appended to a file since the last call."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._offset = 0
-
-    def new_lines(self) -> list[dict[str, Any]]:
-        try:
-            with self.path.open("rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except FileNotFoundError:
+def take_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines appended to ``path`` since the last take; the file is left empty, so it
+    never grows past what one step's worth of appends holds. Writer and taker each hold an
+    exclusive lock on the file, so every line is taken once, whole, and none is lost."""
+    try:
+        if path.stat().st_size == 0:  # a stat, not an open, on each of vLLM's steps
             return []
-        complete = data[: data.rfind(b"\n") + 1]  # a line being written waits for the next call
-        self._offset += len(complete)
-        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+        file = path.open("r+b")
+    except FileNotFoundError:
+        return []
+    with file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        data = file.read()
+        file.truncate(0)
+    return [json.loads(line) for line in data.splitlines() if line.strip()]
 
 
 def append_line(path: Path, record: Mapping[str, Any]) -> None:
-    """One JSON line, written in one call (appends of a line this short do not interleave)."""
-    with path.open("ab") as f:
-        f.write(json.dumps(record).encode() + b"\n")
+    """One JSON line at the end of ``path``, for :func:`take_lines`."""
+    with path.open("ab") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        file.write(json.dumps(record).encode() + b"\n")

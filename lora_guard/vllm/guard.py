@@ -136,7 +136,7 @@ class SchedulerGuard:
         self.step_started = 0.0
         self.in_flight: dict[int, tuple[float, list[Load]]] = {}  # id(output): start, loads
         self.folder = folder
-        self.rejects = channel.LineTail(folder / channel.REJECTS_FILE) if folder else None
+        self.rejects = folder / channel.REJECTS_FILE if folder else None
         self.last_published = 0.0
         self.last_seats: Any = None
 
@@ -353,7 +353,7 @@ class SchedulerGuard:
         """The door's 429s, counted as rejected cold loads."""
         if self.rejects is None:
             return
-        for line in self.rejects.new_lines():
+        for line in channel.take_lines(self.rejects):
             view = RequestView(
                 request_id=str(line.get("request_id", "")),
                 adapter_id=line.get("adapter_id"),

@@ -125,7 +125,7 @@ def test_a_refused_request_gets_429_retry_after_and_is_counted(tmp_path: Path) -
     assert reply.status_code == 429
     assert 49 <= int(reply.headers["Retry-After"]) <= 51
     assert "cold-load budget" in reply.json()["error"]["message"]
-    (line,) = channel.LineTail(tmp_path / channel.REJECTS_FILE).new_lines()
+    (line,) = channel.take_lines(tmp_path / channel.REJECTS_FILE)
     assert line["adapter_id"] == "a5" and line["tenant_id"] == "acme"
 
 
