@@ -6,7 +6,9 @@ server, warm it (one short request per adapter), then a closed loop of N clients
 each N of the sweep. The saturated throughput is the best N's; the knee, the fewest clients that
 reach 95% of it. Then, with every system's capacity known, each is started
 again and the trace arrives open-loop at ``--matched-load`` of the smallest capacity: the latency
-each gives at the same load, below every system's knee.
+each gives at the same load, below every system's knee. Before each point the machine's own speed
+is measured (:mod:`lora_guard.bench.machine_speed`) and kept beside it: on a shared machine it
+moves, and a ratio of two systems measured minutes apart moves with it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 from lora_guard.bench.arguments import workload_spec
 from lora_guard.bench.load import Reply, busy_throughput, closed_loop, open_loop
+from lora_guard.bench.machine_speed import machine_speed
 from lora_guard.bench.peer_env import PeerError
 from lora_guard.bench.replay import EngineOptions
 from lora_guard.bench.servers import (
@@ -59,9 +62,16 @@ class Point:
     ttft_p50_ms: float | None
     ttft_p95_ms: float | None
     e2e_p95_ms: float | None
+    # The machine's own speed just before the point (lora_guard.bench.machine_speed), server idle
+    machine_gflops: float | None = None
 
 
-def measure(replies: list[Reply], trace: list[TraceRequest], clients: int) -> Point:
+def measure(
+    replies: list[Reply],
+    trace: list[TraceRequest],
+    clients: int,
+    machine_gflops: float | None = None,
+) -> Point:
     asked = {r.id: r.max_new_tokens for r in trace}
     done = [r for r in replies if r.error is None and r.finish is not None]
     ttft = [(r.first_token - r.sent) * 1000 for r in done if r.first_token is not None]
@@ -84,6 +94,7 @@ def measure(replies: list[Reply], trace: list[TraceRequest], clients: int) -> Po
         ttft_p50_ms=percentile(ttft, 50),
         ttft_p95_ms=percentile(ttft, 95),
         e2e_p95_ms=percentile(e2e, 95),
+        machine_gflops=machine_gflops,
     )
 
 
@@ -125,12 +136,13 @@ def run_system(
                 if failed:
                     raise PeerError(f"{system.name}: the warm-up failed: {failed[0]}")
                 continue
+            speed = machine_speed()
             started = time.monotonic()
             if clients:
                 replies = closed_loop(url, trace, clients, system.body)
             else:
                 replies = open_loop(url, trace, system.body)
-            point = measure(replies, trace, clients)
+            point = measure(replies, trace, clients, speed)
             peak = max(peak, tree_rss(server.pid))
             points.append(point)
             failed = [r.error for r in replies if r.error is not None]
@@ -139,7 +151,7 @@ def run_system(
                 f"{system.name} {what}: {point.tokens_per_s:.1f} tok/s, TTFT p50 "
                 f"{_ms(point.ttft_p50_ms)} p95 {_ms(point.ttft_p95_ms)}, "
                 f"{point.completed}/{point.requests} done "
-                f"({time.monotonic() - started:.0f} s)"
+                f"({time.monotonic() - started:.0f} s; machine {speed:.0f} GFLOP/s)"
             )
             if failed:
                 raise PeerError(f"{system.name}: {len(failed)} requests failed, e.g. {failed[0]}")
@@ -154,6 +166,10 @@ def _port(launch: ServerLaunch) -> int:
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f} ms"
+
+
+def _gflops(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -313,8 +329,8 @@ def target_lines(targets: list[dict[str, Any]]) -> list[str]:
 
 def sweep_table(systems: dict[str, dict[str, Any]]) -> str:
     rows = [
-        "| system | clients | tok/s | TTFT p50 | TTFT p95 | e2e p95 | done |",
-        "|---|---|---|---|---|---|---|",
+        "| system | clients | tok/s | TTFT p50 | TTFT p95 | e2e p95 | done | machine GFLOP/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, found in systems.items():
         best = found["saturated"]["clients"]
@@ -324,7 +340,8 @@ def sweep_table(systems: dict[str, dict[str, Any]]) -> str:
             rows.append(
                 f"| {name} | {clients}{mark} | {p['tokens_per_s']:.1f} | "
                 f"{_ms(p['ttft_p50_ms'])} | {_ms(p['ttft_p95_ms'])} | "
-                f"{_ms(p['e2e_p95_ms'])} | {p['completed']}/{p['requests']} |"
+                f"{_ms(p['e2e_p95_ms'])} | {p['completed']}/{p['requests']} | "
+                f"{_gflops(p.get('machine_gflops'))} |"
             )
     return "\n".join(rows)
 

@@ -135,6 +135,7 @@ def test_one_command_sweeps_lora_guard_and_peft_over_http(
         for p in [*found["points"], found["matched"]]:
             assert p["completed"] == p["requests"] and p["short"] == 0  # all asked tokens came
             assert p["tokens_per_s"] > 0 and p["ttft_p95_ms"] > 0
+            assert p["machine_gflops"] > 0  # the machine's speed, measured before the point
         assert found["launch"]["command"][1:3] == ["-m", module]  # how it ran, in the report
         assert out.with_name(f"sweep.{name}-sweep.log").exists()
     assert report["regime"] == "everything fits: 3 adapters, 3 seats"
@@ -143,3 +144,4 @@ def test_one_command_sweeps_lora_guard_and_peft_over_http(
         "TTFT p95 at matched load vs peft",
     ]
     assert "| lora-guard | matched load |" in done.stdout
+    assert "| machine GFLOP/s |" in done.stdout

@@ -1,0 +1,59 @@
+"""How fast this machine runs one fixed piece of work, right now.
+
+On a shared virtual machine the same work can run at very different speeds a minute apart
+(docs/benchmarks.md). The capacity sweep measures this just before each of its points, while the
+server under test is idle, so a figure taken in a slow spell can be told apart from a slow
+system. To watch the machine alone: ``python -m lora_guard.bench.machine_speed --seconds 60``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+# rows x in x out: one projection of a decode step of 64 sequences in the demo model
+SHAPE = (64, 576, 1536)
+
+
+def machine_speed(seconds: float = 0.5) -> float:
+    """GFLOP/s of float32 matrix products of :data:`SHAPE`, run back to back for ``seconds`` on
+    every thread torch uses."""
+    import torch
+
+    rows, inner, cols = SHAPE
+    a, b = torch.randn(rows, inner), torch.randn(inner, cols)
+    torch.mm(a, b)  # not timed: the first call builds the kernel
+    products = 0
+    start = time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        torch.mm(a, b)
+        products += 1
+    return 2 * rows * inner * cols * products / elapsed / 1e9
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lora_guard.bench.machine_speed",
+        description="Print this machine's speed on a fixed matrix product, once a second.",
+    )
+    parser.add_argument("--seconds", type=int, default=60, help="how long to watch")
+    args = parser.parse_args(argv)
+    if args.seconds < 1:
+        parser.error("--seconds must be at least 1")
+    speeds = []
+    for second in range(args.seconds):
+        speeds.append(machine_speed(1.0))
+        print(f"{second + 1:4d} s  {speeds[-1]:7.1f} GFLOP/s", flush=True)
+    low, high = min(speeds), max(speeds)
+    print(
+        f"min {low:.1f}, median {statistics.median(speeds):.1f}, max {high:.1f} GFLOP/s "
+        f"(max/min {high / low:.2f})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
