@@ -104,7 +104,7 @@ def replay_vllm(
         records=list(records.values()),
         swap_ms=[],
         lookups=[],
-        slots=int(launch.command[launch.command.index("--max-loras") + 1]) if adapters else 0,
+        slots=peer_options(peer, options, adapters).max_loras if adapters else 0,
         kv_conflicts=0,
         cold_loads={"loaded": 0, "rejected": 0, "failed": 0},
         memory={},
@@ -113,6 +113,13 @@ def replay_vllm(
         served=[r.adapter_id for r in trace],
         peer=launch.as_json() | {"log": shared(log_file.read_text(errors="replace"))},
     )
+
+
+def peer_options(peer: str, options: EngineOptions, adapters: list[str]) -> EngineOptions:
+    """The engine options ``peer`` runs with: ``vllm-all-resident`` seats every adapter."""
+    if peer == "vllm-all-resident":
+        return replace(options, max_loras=len(adapters))
+    return options
 
 
 def peer_launch(
@@ -125,8 +132,7 @@ def peer_launch(
 ) -> ServerLaunch:
     """How ``peer`` (see :func:`replay_vllm`) starts on ``port``; ``scratch`` holds the folder
     lora-guard's scheduler and door share."""
-    if peer == "vllm-all-resident":
-        options = replace(options, max_loras=len(adapters))
+    options = peer_options(peer, options, adapters)
     launch = vllm_launch(python, options, adapters, port)
     if peer == "vllm-lora-guard":
         launch = guard_launch(launch, options, scratch / f"lora-guard-vllm-{port}")

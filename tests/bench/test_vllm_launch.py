@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from lora_guard.bench.replay import EngineOptions
-from lora_guard.bench.vllm_peer import cpu_list, guard_launch, peer_launch, vllm_launch
+from lora_guard.bench.vllm_peer import (
+    cpu_list,
+    guard_launch,
+    peer_launch,
+    peer_options,
+    vllm_launch,
+)
 from lora_guard.engine.config import parse_memory
 
 OPTIONS = EngineOptions(
@@ -65,6 +71,10 @@ def test_the_all_resident_bound_is_vllm_alone_with_a_seat_for_every_adapter() ->
     guarded = peer_launch("vllm-lora-guard", python, OPTIONS, adapters, 8701, scratch)
     assert flag(guarded.command, "--max-loras") == "4"
     assert guarded.environment["LORA_GUARD_VLLM_DIR"] == "/scratch/lora-guard-vllm-8701"
+    # The report's seat count is the one each launch was given.
+    seats = {p: peer_options(p, OPTIONS, adapters).max_loras for p in ("vllm", "vllm-lora-guard")}
+    assert seats == {"vllm": 4, "vllm-lora-guard": 4}
+    assert peer_options("vllm-all-resident", OPTIONS, adapters).max_loras == 6
 
 
 def test_tcmalloc_is_preloaded_when_the_machine_has_it(tmp_path: Path) -> None:
