@@ -79,7 +79,9 @@ def engine_from_config(
     if layout == "blocked" and not blocked_layout_available(
         config.torch_dtype, config.torch_device
     ):
-        raise ConfigError("weight_layout=blocked needs float32 on a CPU whose torch has oneDNN")
+        raise ConfigError(
+            "weight_layout=blocked needs float32 or bfloat16 on a CPU whose torch has oneDNN"
+        )
     blocked = {"auto": None, "blocked": True, "plain": False}[layout]  # None: where available
     model = LlamaModel(model_dir, config.torch_dtype, config.torch_device, blocked=blocked)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

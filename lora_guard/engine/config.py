@@ -304,7 +304,7 @@ class EngineConfig:
     weight_layout: str = setting(
         "auto",
         help="how the base model's projections are stored: "
-        "blocked (oneDNN's layout, float32 on the CPU), plain (torch.mm "
+        "blocked (oneDNN's layout, float32 or bfloat16 on the CPU), plain (torch.mm "
         "over [in, out]), auto (blocked where it applies, else plain)",
         check=one_of("auto", "blocked", "plain"),
         metavar="LAYOUT",

@@ -1,10 +1,11 @@
 """A base-model projection, its weight kept in the layout the device multiplies fastest.
 
-On a CPU whose torch has oneDNN, a float32 weight is reordered once, at load, into oneDNN's
-blocked layout (the one torch's own compiler uses for frozen CPU graphs), and multiplied with
-``mkldnn._linear_pointwise``: a decode step of the demo model at 32 rows spends about half the
-time in its matmuls that ``torch.mm`` over the plain weights did (docs/benchmarks.md). Elsewhere
-the weight stays a plain ``[in, out]`` tensor multiplied with ``torch.mm``. The blocked weight
+On a CPU whose torch has oneDNN, a float32 or bfloat16 weight is reordered once, at load, into
+oneDNN's blocked layout (the one torch's own compiler uses for frozen CPU graphs), and multiplied
+with ``mkldnn._linear_pointwise``: in float32 a decode step of the demo model at 32 rows spends
+about half the time in its matmuls that ``torch.mm`` over the plain weights did; in bfloat16 a
+one-stream step gains most (docs/benchmarks.md). Elsewhere (float16, GPUs) the weight stays a
+plain ``[in, out]`` tensor multiplied with ``torch.mm``. The blocked weight
 replaces the plain one: a merge (``dense`` / ``replace``) unpacks and packs again.
 """
 
@@ -20,7 +21,7 @@ def blocked_layout_available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether weights of ``dtype`` on ``device`` can be kept in oneDNN's blocked layout."""
     return (
         device.type == "cpu"
-        and dtype == torch.float32
+        and dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )

@@ -1,5 +1,5 @@
-"""The base model's projections in oneDNN's blocked layout compute what the plain layout does, and
-a merge into them is undone exactly."""
+"""The base model's projections in oneDNN's blocked layout (float32 and bfloat16 on the CPU) compute
+what the plain layout does, and a merge into them is undone exactly."""
 
 from __future__ import annotations
 
@@ -21,34 +21,43 @@ needs_blocked = pytest.mark.skipif(
 )
 
 
-def test_the_blocked_layout_is_used_for_float32_on_the_cpu_only() -> None:
+def test_the_blocked_layout_is_used_for_float32_and_bfloat16_on_the_cpu_only() -> None:
     assert blocked_layout_available(torch.float32, CPU)  # the torch the README installs has it
-    assert not blocked_layout_available(torch.bfloat16, CPU)
+    assert blocked_layout_available(torch.bfloat16, CPU)
+    assert not blocked_layout_available(torch.float16, CPU)
     assert not blocked_layout_available(torch.float32, torch.device("meta"))
 
 
 @needs_blocked
 @pytest.mark.parametrize("rows", [1, 5, 32, 33, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_blocked_and_plain_compute_the_same_projection(rows: int, with_bias: bool) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_and_plain_compute_the_same_projection(
+    rows: int, with_bias: bool, dtype: torch.dtype
+) -> None:
     torch.manual_seed(rows)
-    weight, bias = torch.randn(96, 40), torch.randn(96) if with_bias else None
-    x = torch.randn(rows, 40)
-    expected = torch.nn.functional.linear(x, weight, bias)
+    weight = torch.randn(96, 40).to(dtype)
+    bias = torch.randn(96).to(dtype) if with_bias else None
+    x = torch.randn(rows, 40).to(dtype)
+    wide_bias = None if bias is None else bias.float()
+    expected = torch.nn.functional.linear(x.float(), weight.float(), wide_bias)
+    # float32 to rounding; bfloat16 to two of its steps (1/256 each) of the largest output
+    atol = 1e-4 if dtype == torch.float32 else expected.abs().max().item() / 128
     for blocked in (True, False):
         y = Linear(weight, bias, blocked=blocked)(x)
-        assert y.shape == (rows, 96)
-        assert torch.allclose(y, expected, atol=1e-4), blocked
+        assert y.shape == (rows, 96) and y.dtype == dtype
+        assert torch.allclose(y.float(), expected, atol=atol), blocked
 
 
 @needs_blocked
-def test_a_blocked_weight_unpacks_to_the_weight_it_was_given() -> None:
-    weight = torch.randn(64, 48)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_blocked_weight_unpacks_to_the_weight_it_was_given(dtype: torch.dtype) -> None:
+    weight = torch.randn(64, 48).to(dtype)
     linear = Linear(weight, None, blocked=True)
     assert torch.equal(linear.dense(), weight)
     linear.replace(weight * 2)
     assert torch.equal(linear.dense(), weight * 2)
-    assert linear.nbytes >= weight.numel() * 4
+    assert linear.nbytes >= weight.numel() * weight.element_size()
 
 
 @needs_blocked
@@ -112,6 +121,8 @@ def test_the_engine_answers_the_same_in_either_layout(
 
 def test_a_blocked_layout_that_cannot_apply_is_a_config_error(tiny_model: Path) -> None:
     with pytest.raises(ConfigError, match="weight_layout=blocked"):
-        LLM(tiny_model, cache_memory="4MiB", dtype="bfloat16", weight_layout="blocked")
-    bf16 = LLM(tiny_model, cache_memory="4MiB", dtype="bfloat16")  # auto: plain
-    assert not bf16.engine.model.blocked
+        LLM(tiny_model, cache_memory="4MiB", dtype="float16", weight_layout="blocked")
+    fp16 = LLM(tiny_model, cache_memory="4MiB", dtype="float16")  # auto: plain
+    assert not fp16.engine.model.blocked
+    bf16 = LLM(tiny_model, cache_memory="4MiB", dtype="bfloat16")  # auto: blocked
+    assert bf16.engine.model.blocked
