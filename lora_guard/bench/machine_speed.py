@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-# rows x in x out: one projection of a decode step of 64 sequences in the demo model
+# rows x in x out: 64 decode rows through a projection the size of the demo model's MLP gate
 SHAPE = (64, 576, 1536)
 
 
