@@ -36,10 +36,10 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10
     import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
 
-import torch
-
+# Neither torch nor the engine is imported here: the adapter registry (which loads torch) is where
+# an adapter is named or a folder scanned, torch in engine_names. `lora-guard --help`, the other
+# settings' checks and the docs' tables start at once.
 from lora_guard.engine.config import (
-    DTYPES,
     ORDERS,
     Order,
     at_least,
@@ -49,8 +49,6 @@ from lora_guard.engine.config import (
     text,
     user_fields,
 )
-from lora_guard.engine.lora.registry import scan_adapter_dir as registry_scan
-from lora_guard.engine.lora.registry import valid_adapter_id
 from lora_guard.plugins.manager import (
     ALWAYS_ON_PLUGINS,
     DEFAULT_POLICIES,
@@ -124,6 +122,8 @@ def _adapter(text: str) -> tuple[str, Path]:
 def check_adapter_name(name: str) -> str:
     """``name`` if it is a valid adapter id (letters, digits, ``-``, ``_``, ``.``), else
     ValueError."""
+    from lora_guard.engine.lora.registry import valid_adapter_id
+
     if not valid_adapter_id(name):
         raise ValueError(
             f"adapter name {name!r} may hold only letters, digits, '-', '_' and '.' "
@@ -404,6 +404,8 @@ class ServeSettings:
 def scan_adapter_dir(folder: Path) -> dict[str, Path]:
     """``{id: path}`` of the adapters in ``folder`` (the registry's scan: valid ids only, a link
     leading outside ``folder`` left out)."""
+    from lora_guard.engine.lora.registry import scan_adapter_dir as registry_scan
+
     try:
         return dict(registry_scan(folder.expanduser()))
     except OSError as exc:
@@ -548,11 +550,12 @@ def engine_names(device: str, dtype: str) -> tuple[str, str]:
     """``--device`` and ``--dtype`` with ``auto`` resolved as the engine resolves it (cuda where
     torch sees one; bfloat16 on cuda, else float32), as names: for a command that hands them to
     torch, PEFT or another server, or records them."""
+    import torch
+
     if device == "auto":
         device = str(resolve_device(device))
     if dtype == "auto":
-        resolved = resolve_dtype(dtype, torch.device(device))
-        dtype = next(name for name, value in DTYPES.items() if value == resolved)
+        dtype = str(resolve_dtype(dtype, torch.device(device))).removeprefix("torch.")
     return device, dtype
 
 

@@ -9,12 +9,16 @@ without help (``lora_mode``, ...) are set by the engine's builder, never by user
 from __future__ import annotations
 
 import re
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import MISSING, Field, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+# torch is imported where a device or a dtype is resolved (the engine being made), not here: the
+# command line reads and checks its flags, and the docs' tables are made, without it.
+if TYPE_CHECKING:
+    import torch
 
 # one row a line, as a table reads (fmt: skip)
 _UNITS = {
@@ -22,7 +26,8 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: The dtypes the engine computes in, by name (each is ``torch.<name>``).
+DTYPES = ("float32", "bfloat16", "float16")
 LORA_DTYPES = ("auto", *DTYPES)  # the names a command-line --lora-dtype takes
 # one row a line, as a table reads (fmt: skip)
 _DTYPE_NAMES = {
@@ -83,8 +88,15 @@ def text(value: Any) -> str:
     return word
 
 
+def _torch_instance(value: Any, kind: str) -> bool:
+    """Whether ``value`` is a ``torch.<kind>`` (``device``, ``dtype``); torch is loaded already
+    if it is one, so it is never imported here."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, getattr(torch, kind))
+
+
 def device_name(value: Any) -> Any:
-    if isinstance(value, torch.device):
+    if _torch_instance(value, "device"):
         return value
     word = str(value).strip().lower()
     if not _DEVICE.fullmatch(word):
@@ -94,7 +106,7 @@ def device_name(value: Any) -> Any:
 
 def dtype_name(value: Any) -> Any:
     """A dtype, or its name with the aliases read (``bf16`` is ``bfloat16``)."""
-    if isinstance(value, torch.dtype):
+    if _torch_instance(value, "dtype"):
         return value
     return _DTYPE_NAMES[one_of(*_DTYPE_NAMES)(value)]
 
@@ -115,6 +127,8 @@ def parse_memory(value: int | str) -> int:
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
+    import torch
+
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolved = torch.device(device)
@@ -124,19 +138,24 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    import torch
+
     if dtype is None or dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
+        if dtype not in [getattr(torch, name) for name in DTYPES]:
             raise ConfigError(f"unsupported dtype {dtype}; use one of {', '.join(DTYPES)}")
         return dtype
     if dtype not in DTYPES:
         raise ConfigError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+    result: torch.dtype = getattr(torch, dtype)
+    return result
 
 
 def free_memory(device: torch.device) -> int:
     if device.type == "cuda":
+        import torch
+
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
     try:
@@ -375,16 +394,22 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         assert isinstance(self.device, torch.device)
         return self.device
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         assert isinstance(self.dtype, torch.dtype)
         return self.dtype
 
     @property
     def torch_lora_dtype(self) -> torch.dtype:
+        import torch
+
         assert isinstance(self.lora_dtype, torch.dtype)
         return self.lora_dtype
 
