@@ -26,8 +26,10 @@ class Capacity:
 
 
 def capacity_prompts(spec: WorkloadSpec, adapter_ids: list[str]) -> list[tuple[str, int]]:
-    """``CAPACITY_BATCH`` (prompt, max_new_tokens) pairs drawn as the trace draws them."""
-    sample = make_trace(replace(spec, requests=CAPACITY_BATCH, scenario="zipf"), adapter_ids)
+    """``CAPACITY_BATCH`` (prompt, max_new_tokens) pairs drawn as the trace draws them (the
+    first of a ``public`` trace: its lengths are its own; any other scenario's as ``zipf``'s)."""
+    scenario = "public" if spec.scenario == "public" else "zipf"
+    sample = make_trace(replace(spec, requests=CAPACITY_BATCH, scenario=scenario), adapter_ids)
     return [(r.prompt, r.max_new_tokens) for r in sample]
 
 

@@ -344,6 +344,10 @@ def _trace(
     args: argparse.Namespace, spec: WorkloadSpec, ids: list[str], seed: int | None
 ) -> list[TraceRequest]:
     trace = read_trace(args.trace) if args.trace else make_trace(spec, ids)
+    if not args.trace and spec.scenario == "public":
+        from lora_guard.workload.public import plan
+
+        print(f"public workload: {plan(spec).describe()}", file=sys.stderr, flush=True)
     missing = sorted({r.adapter_id for r in trace if r.adapter_id} - set(ids))
     if missing:
         raise TraceError(f"the trace names adapters that are not served: {', '.join(missing)}")

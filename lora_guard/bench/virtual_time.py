@@ -44,6 +44,7 @@ from lora_guard.workload.trace import (
     WorkloadSpec,
     make_trace,
     pressure_spec,
+    public_spec,
     read_trace,
 )
 
@@ -418,7 +419,7 @@ def study(
         trace = make_trace(replace(spec, rate=rate), bench.adapter_ids)
     results: dict[str, Result] = {}
     pressure = None
-    if cache_memory is None and spec.scenario == "pressure":
+    if cache_memory is None and spec.scenario in ("pressure", "public"):
         _, kv_bytes = run_scheme(bench, "lru", trace, 64 * MIB)
         windows = window_bytes(trace, bench.adapter_bytes)
         pressure = Pressure(
@@ -526,7 +527,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     add(
         "--schemes", default="base,lru,lora-guard", help=f"comma-separated, of {', '.join(SCHEMES)}"
     )
-    add("--scenario", choices=SCENARIOS, default="zipf")
+    add(
+        "--scenario",
+        choices=SCENARIOS,
+        default="zipf",
+        help="pressure: 200 adapters of mixed ranks, 8 tenants, drifting Zipf popularity; public: "
+        "arrivals and lengths from Azure's LLM inference trace, the order of 229 LoRAs from "
+        "Alibaba's, 8 tenants from ServeGen's clients (docs/workloads.md); both 1000 requests "
+        "and a pool sized by the load (default: zipf)",
+    )
     add(
         "--trace",
         type=Path,
@@ -637,12 +646,18 @@ def _spec(args: argparse.Namespace) -> WorkloadSpec:
     spec = WorkloadSpec(requests=200, output_mean=args.output_mean, scenario=args.scenario)
     if args.scenario == "pressure":
         return pressure_spec(spec, **{"requests": 1000, **given})
+    if args.scenario == "public":
+        from lora_guard.workload.public import output_scale, scales_line
+
+        spec = public_spec(spec, **{"requests": 1000, **given})
+        print(f"public workload: {scales_line(output_scale(spec))}")
+        return spec
     return replace(spec, **given)
 
 
 def _make_bench(tmp: Path, spec: WorkloadSpec, args: argparse.Namespace, costs: Costs) -> Bench:
-    """A tiny model and the study's adapters: mixed ranks and targets for ``pressure`` and a
-    trace, ranks 4-16 on every projection otherwise."""
+    """A tiny model and the study's adapters: mixed ranks and targets for ``pressure``,
+    ``public`` and a trace, ranks 4-16 on every projection otherwise."""
     from lora_guard.demo.adapters import make_adapters, named_specs, write_adapters
     from lora_guard.demo.testing import make_tiny_llama
 
@@ -650,7 +665,7 @@ def _make_bench(tmp: Path, spec: WorkloadSpec, args: argparse.Namespace, costs: 
     out = tmp / "adapters"
     if args.trace:
         folders = write_adapters(model, out, named_specs(trace_ranks(args.trace)), strength=0.5)
-    elif spec.scenario == "pressure":
+    elif spec.scenario in ("pressure", "public"):
         folders = make_adapters(
             model, out, n=spec.adapters, ranks=PRESSURE_RANKS, prefix="demo", strength=0.5
         )

@@ -26,7 +26,7 @@ _WORD_LIST = (
 _WORDS = _WORD_LIST.split()
 
 
-SCENARIOS = ("zipf", "uniform", "burst", "tenant-storm", "pressure")
+SCENARIOS = ("zipf", "uniform", "burst", "tenant-storm", "pressure", "public")
 BURST_ADAPTERS = 12  # adapters the cold tenant of the ``burst`` scenario brings at once
 STORM_FACTOR = 8.0  # the flooding tenant's arrival rate over everyone else's, in ``tenant-storm``
 
@@ -59,7 +59,8 @@ class WorkloadSpec:
     # tenant arrives with 12 adapters nobody used before, one request each at once; tenant-storm:
     # over the middle third, tenant t0 adds 8x the rest's traffic on its own adapters; pressure:
     # zipf whose ranking drifts (every drift_every_s, each of the hot_ranks most popular places
-    # is handed, with chance drift_share, to an adapter drawn from the rest).
+    # is handed, with chance drift_share, to an adapter drawn from the rest); public: arrivals,
+    # lengths, adapter order and tenants from public traces (workload/public.py).
     scenario: str = "zipf"
     drift_every_s: float = 60.0
     drift_share: float = 0.25
@@ -74,6 +75,18 @@ def pressure_spec(spec: WorkloadSpec, **given: object) -> WorkloadSpec:
     """``spec`` as the ``pressure`` scenario runs it: :data:`PRESSURE` where ``given`` (the
     settings a user named) does not say otherwise."""
     return replace(spec, scenario="pressure", **{**PRESSURE, **given})  # type: ignore[arg-type]
+
+
+#: What ``public`` changes in a spec (``public_spec``): an adapter for each LoRA of the Alibaba
+#: trace, 8 tenants, a shorter system prompt (256 tokens at the prompt scale), and no bursts of
+#: the spec's own (the trace brings its own, so ``rate`` is the mean rate).
+PUBLIC = {"adapters": 229, "tenants": 8, "system_prompt_words": 32, "burst_factor": 1.0}
+
+
+def public_spec(spec: WorkloadSpec, **given: object) -> WorkloadSpec:
+    """``spec`` as the ``public`` scenario runs it: :data:`PUBLIC` where ``given`` does not say
+    otherwise."""
+    return replace(spec, scenario="public", **{**PUBLIC, **given})  # type: ignore[arg-type]
 
 
 def mean_rate(spec: WorkloadSpec) -> float:
@@ -102,6 +115,10 @@ def make_trace(spec: WorkloadSpec, adapter_ids: Sequence[str]) -> list[TraceRequ
         raise TraceError(f"the workload needs {spec.adapters} adapters, {len(adapter_ids)} given")
     if spec.scenario == "burst" and spec.adapters <= BURST_ADAPTERS:
         raise TraceError(f"the burst scenario needs more than {BURST_ADAPTERS} adapters")
+    if spec.scenario == "public":
+        from lora_guard.workload.public import public_trace
+
+        return public_trace(spec, adapter_ids).requests
     rng = random.Random(spec.seed)
     adapters = list(adapter_ids[: spec.adapters])
     exponent = 0.0 if spec.scenario == "uniform" else spec.zipf
