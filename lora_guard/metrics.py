@@ -65,6 +65,10 @@ METRICS = (
            "Milliseconds from when a request first needed its adapter (at admission, or when "
            "parked) to when it was usable; 0 when it was resident.",
            buckets=(0, *SWAP_MS_BUCKETS)),
+    Metric("lora_guard_request_held_ms", "histogram",
+           "Milliseconds a finished request spent waiting while a policy left it out of the "
+           "batch (hot-set admission's hold-backs), beside its adapter wait.",
+           buckets=(0, *SWAP_MS_BUCKETS, 5000.0, 10000.0)),
     Metric("lora_guard_cache_pool_bytes", "gauge",
            "Bytes of the one cache pool by kind: kv (blocks in use), adapter (adapter pages), "
            "free.", ("kind",)),
@@ -223,6 +227,7 @@ class MetricsPlugin:
         end = request.finished_time if request.finished_time is not None else request.arrival_time
         duration_s = max(end - request.arrival_time, 0.0)
         self.histogram["tgi_request_duration"].observe(duration_s)
+        self.histogram["lora_guard_request_held_ms"].observe(request.held_s * 1000)
         if request.first_token_time is not None:
             ttft_s = max(request.first_token_time - request.arrival_time, 0.0)
             self.histogram["vllm:time_to_first_token_seconds"].observe(ttft_s)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from lora_guard.policies.victims import ResidentView, eviction_order
+from lora_guard.plugins.eviction import ResidentView, eviction_order
 from lora_guard.routing import AffinityRanker, ReplicaView
 from lora_guard.simulate_costs import Costs, read_costs
 from lora_guard.workload.stats import percentile
@@ -211,7 +211,7 @@ class _Fleet:
         return write_ms
 
     def _evict(self, replica: Replica, demand: Collection[str | None], now: float) -> bool:
-        """Free a seat with the engine's own choice (``policies.victims.eviction_order``); False
+        """Free a seat with the engine's own choice (``plugins.eviction.eviction_order``); False
         when none may leave."""
         views = [
             ResidentView(a, seat.last_used, seat.loaded_at, needed=a in demand)

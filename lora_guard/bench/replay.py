@@ -38,6 +38,7 @@ class RequestRecord:
     tokens: list[int] = field(default_factory=list)
     retries: int = 0
     error: str | None = None
+    held_s: float = 0.0  # left out of the batch by a policy (in-process replays only)
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,17 @@ from lora_guard.workload.trace import (
 # one row a line, as a table reads (fmt: skip)
 SCHEMES: dict[str, str | None] = {
     "base": "lru", "lru": "lru", "fifo": "fifo", "drain": "drain", "time-slice": "time-slice",
-    "s3-fifo": "s3-fifo", "w-tinylfu": "w-tinylfu", "lora-guard": None, "all-resident": "lru",
+    "s3-fifo": "s3-fifo", "w-tinylfu": "w-tinylfu", "as-vllm": "lru", "as-sglang": "drain",
+    "lora-guard": None, "all-resident": "lru",
 }  # fmt: skip
+#: The designs users run, on the same engine and pool: adapter seats with memory of their own
+#: beside the KV (``adapter_memory``: seats x the largest adapter, vLLM's ``--max-loras`` x
+#: ``--max-lora-rank``, SGLang's adapter pool), first come first served with a skip for requests
+#: whose adapter cannot be seated; vLLM's LRU, SGLang's LRU with its drainer. Each is run at
+#: every seat count of ``SEATS`` the pool can hold, and reported at its best (an operator's
+#: tuning); the sweep is in the JSON.
+SEATED = ("as-vllm", "as-sglang")
+SEATS = (1, 2, 4, 8, 16)
 #: every adapter the trace names pinned in pages added to the pool, so the KV keeps its room: the
 #: latency no residency policy can beat on that pool (loads and adapter waits cost nothing)
 ALL_RESIDENT = "all-resident"
@@ -102,6 +111,8 @@ class Result:
     start_resident: tuple[str, ...] = ()
     rejected: int = 0
     arrivals: list[tuple[str, bool]] = field(default_factory=list)  # adapter, resident then
+    seats: dict[int, dict[str, float]] | None = None  # a seated scheme's sweep, by seat count
+    best_seats: int | None = None
 
     def figures(self) -> dict[str, Any]:
         done = [r for r in self.records if r.error is None and r.first_token is not None]
@@ -123,8 +134,10 @@ class Result:
             "hit_rate_bound": compulsory_hit_bound(asked, self.start_resident) if asked else None,
             "loads": self.loads,
             "adapter_wait_ms_p95": percentile(waits, 95),
+            "held_ms_p95": percentile([r.held_s * 1000 for r in done], 95),
             "cold_fail_ratio": self.rejected / attempts if attempts else 0.0,
             "retries": sum(r.retries for r in self.records),
+            "seats": self.best_seats,
         }
 
     def tenant_ttft_p95(self) -> dict[str, float | None]:
@@ -139,12 +152,14 @@ class Result:
 class _Writes:
     """Observes the adapters written into the pool (demo-model MiB each), for the step's cost."""
 
-    def __init__(self, mib: dict[str, float]) -> None:
-        self.mib, self.written = mib, list[float]()
+    def __init__(self, mib: dict[str, float], engine: Any) -> None:
+        self.mib, self.engine = mib, engine
+        self.written: list[tuple[int, float]] = []  # pages in this pool, MiB on the demo model
 
     @hookimpl
     def lora_guard_adapter_loaded(self, adapter_id: str) -> None:
-        self.written.append(self.mib.get(adapter_id, 0.0))
+        pages = self.engine.adapter_pages([adapter_id]).get(adapter_id, 0)
+        self.written.append((pages, self.mib.get(adapter_id, 0.0)))
 
 
 class Replay:
@@ -160,8 +175,9 @@ class Replay:
     ) -> None:
         self.llm, self.engine, self.clock, self.costs = llm, llm.engine, clock, costs
         self.scale = scale  # demo-model bytes per byte of this model's adapters
-        self.writes = _Writes(adapter_mib)
+        self.writes = _Writes(adapter_mib, self.engine)
         self.engine.hooks.pm.register(self.writes, name="virtual-time-writes")
+        self.engine.adapters.costs.external = True
         self.engine.scheduler.reject_when_busy = True  # a server's 429, not an offline wait
         self.peak_kv_blocks = 0
         self.arrivals: list[tuple[str, bool]] = []  # each request's adapter, and if resident
@@ -173,11 +189,16 @@ class Replay:
         self.writes.written.clear()
         outputs = self.engine.step()
         cost_ms = 1.0  # a step that computed nothing
+        meter = self.engine.adapters.costs  # what the engine values pages by: modelled costs
         if stats.steps > steps:
             ran = stats.recent_steps[-1]
             mib = ran.adapter_bytes * self.scale / MIB
             cost_ms = self.costs.step(ran.seqs, ran.adapters, ran.prefill_tokens, mib)
-        cost_ms += sum(self.costs.write(mib) for mib in self.writes.written)
+            meter.step(ran.prefill_tokens, cost_ms)
+        for pages, mib in self.writes.written:
+            write_ms = self.costs.write(mib)
+            meter.write(pages, write_ms)
+            cost_ms += write_ms
         self.clock.now += cost_ms / 1000
         self.peak_kv_blocks = max(self.peak_kv_blocks, self.engine.figures().kv_blocks_used)
         self.engine.wait_for_reads()
@@ -229,6 +250,7 @@ class Replay:
                     heapq.heappush(due, (now + out.retry_after, tiebreak, record.id))
                     continue
                 record.finish, record.tokens, record.error = now, list(out.token_ids), out.error
+                record.held_s += out.held_s
         return list(records.values()), rejected
 
 
@@ -266,6 +288,7 @@ class Bench:
         cache_memory: int,
         max_loras: int,
         pin: Sequence[str] = (),
+        adapter_memory: int | None = None,
     ) -> Any:
         from lora_guard.engine import LLM
 
@@ -274,6 +297,7 @@ class Bench:
             adapter_dir=self.adapter_dir,
             max_cpu_loras=len(self.adapter_ids),
             cache_memory=cache_memory,
+            adapter_memory=adapter_memory,
             max_loras=max_loras,
             max_lora_rank=64,
             policies=policies,
@@ -281,17 +305,17 @@ class Bench:
             clock=clock,
         )
 
-    def pages_bytes(self, adapter_ids: Sequence[str]) -> int:
-        """Bytes of the pool pages ``adapter_ids`` take together."""
+    def pages_bytes(self, adapter_ids: Sequence[str], largest: bool = False) -> int:
+        """Bytes of the pool pages ``adapter_ids`` take together (``largest``: the largest's)."""
         clock = VirtualClock()
         llm = self.llm(clock, "lru", 64 * MIB, 0)
         replay = self.replay(llm, clock)
         warm_up(replay, adapter_ids)
         engine = llm.engine
-        pages = sum(engine.adapter_pages(list(adapter_ids)).values())
+        pages = engine.adapter_pages(list(adapter_ids)).values()
         page_bytes = engine.memory().page_bytes
         engine.shutdown()
-        return int(pages * page_bytes)
+        return int((max(pages) if largest else sum(pages)) * page_bytes)
 
     def replay(self, llm: Any, clock: VirtualClock) -> Replay:
         return Replay(llm, clock, self.costs, self.demo_mib(), self.scale)
@@ -314,17 +338,47 @@ def capacity(bench: Bench, spec: WorkloadSpec) -> Capacity:
     return Capacity(len(records) / elapsed, tokens / elapsed, CAPACITY_BATCH, tokens / len(records))
 
 
-def run_scheme(
+def run_seated(
     bench: Bench, scheme: str, trace: Sequence[TraceRequest], cache_memory: int
+) -> Result:
+    """``scheme`` (of :data:`SEATED`) at each seat count whose adapter memory leaves the KV at
+    least half the pool; the best by TTFT p95, with the sweep."""
+    asked = sorted({r.adapter_id for r in trace if r.adapter_id})
+    largest = bench.pages_bytes(asked, largest=True)
+    tried: dict[int, Result] = {}
+    for seats in SEATS:
+        if seats * largest > cache_memory // 2:
+            break
+        tried[seats] = run_scheme(bench, scheme, trace, cache_memory, (seats, seats * largest))[0]
+    if not tried:
+        raise ValueError(f"{scheme}: the pool cannot hold one seat of the largest adapter")
+    p95 = {n: r.figures()["ttft_p95_ms"] or float("inf") for n, r in tried.items()}
+    best = min(p95, key=p95.__getitem__)
+    result = tried[best]
+    result.seats = {n: {"ttft_p95_ms": p95[n], "seats_mib": n * largest / MIB} for n in tried}
+    result.best_seats = best
+    return result
+
+
+def run_scheme(
+    bench: Bench,
+    scheme: str,
+    trace: Sequence[TraceRequest],
+    cache_memory: int,
+    seated: tuple[int, int] | None = None,
 ) -> tuple[Result, int]:
-    """``scheme`` replaying ``trace``; its result, and the most KV blocks' bytes it held."""
+    """``scheme`` replaying ``trace``; its result, and the most KV blocks' bytes it held.
+    ``seated``: seats and the bytes kept for them (:data:`SEATED`)."""
     asked = sorted({r.adapter_id for r in trace if r.adapter_id})
     pin: Sequence[str] = ()
     if scheme == ALL_RESIDENT:
         pin, cache_memory = asked, cache_memory + bench.pages_bytes(asked)
     clock = VirtualClock()
     max_loras = 0 if scheme in ("base", ALL_RESIDENT) else bench.max_loras
-    llm = bench.llm(clock, SCHEMES[scheme], cache_memory, max_loras, pin)
+    adapter_memory = None
+    if seated is not None:
+        max_loras, adapter_memory = seated
+    llm = bench.llm(clock, SCHEMES[scheme], cache_memory, max_loras, pin, adapter_memory)
     replay = bench.replay(llm, clock)
     adapters = scheme != "base"
     if adapters:
@@ -429,12 +483,18 @@ def study(
     pool = cache_memory or 64 * MIB
     for scheme in schemes:
         if scheme not in results:
-            results[scheme] = run_scheme(bench, scheme, trace, pool)[0]
+            results[scheme] = _run(bench, scheme, trace, pool)
     calm = []
     if spec.scenario == "tenant-storm" and rate is not None:
         quiet = make_trace(replace(spec, rate=rate, scenario="zipf"), bench.adapter_ids)
-        calm = [run_scheme(bench, s, quiet, pool)[0] for s in schemes]
+        calm = [_run(bench, s, quiet, pool) for s in schemes]
     return SeedRun(spec.seed, rate, [results[s] for s in schemes], pressure, calm)
+
+
+def _run(bench: Bench, scheme: str, trace: Sequence[TraceRequest], pool: int) -> Result:
+    if scheme in SEATED:
+        return run_seated(bench, scheme, trace, pool)
+    return run_scheme(bench, scheme, trace, pool)[0]
 
 
 def report(runs: Sequence[SeedRun], schemes: Sequence[str]) -> dict[str, Any]:
@@ -476,6 +536,7 @@ def report(runs: Sequence[SeedRun], schemes: Sequence[str]) -> dict[str, Any]:
                 "rate": run.rate,
                 "pool": run.pressure.summary() if run.pressure else None,
                 "schemes": {r.scheme: r.figures() for r in run.results},
+                "seat_sweeps": {r.scheme: r.seats for r in run.results if r.seats},
             }
         )
     return out

@@ -94,6 +94,12 @@ def engine_from_config(
             f"the cache pool ({config.cache_bytes()} bytes) holds {num_pages} pages of "
             f"{page_bytes} bytes; at least {MIN_KV_BLOCKS} are needed"
         )
+    adapter_pages = -(-int(config.adapter_memory or 0) // page_bytes)
+    if adapter_pages and num_pages - adapter_pages < MIN_KV_BLOCKS:
+        raise ConfigError(
+            f"adapter_memory ({config.adapter_memory} bytes) leaves the KV fewer than "
+            f"{MIN_KV_BLOCKS} pages of the cache pool's {num_pages}"
+        )
     try:
         pool = CachePool(
             spec,
@@ -111,7 +117,13 @@ def engine_from_config(
     runner = ModelRunner(
         model, pool, lora_compute, merge_for_good=config.static_adapter is not None
     )
-    blocks = BlockManager(num_pages, config.block_size, config.enable_prefix_caching)
+    blocks = BlockManager(
+        num_pages,
+        config.block_size,
+        config.enable_prefix_caching,
+        clock=config.clock,
+        kv_pages=num_pages - adapter_pages,
+    )
     tiers = (
         blocks,
         HostCache(config.max_cpu_loras),

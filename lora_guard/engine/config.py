@@ -302,6 +302,16 @@ class EngineConfig:
         metavar="SIZE",
         shown="a quarter of free memory",
     )
+    adapter_memory: int | str | None = setting(
+        None,
+        help="part of {cache_memory} kept for adapter weights "
+        "alone, as vLLM and SGLang keep adapter seats beside "
+        "the KV: KV never takes it and adapters never take KV's "
+        "pages; bytes or a size such as 64MiB",
+        check=parse_memory,
+        metavar="SIZE",
+        shown="none: KV and adapters share every page",
+    )
     residency_quantum_ms: int = setting(
         1000,
         help="an adapter that requests still need stays in "

@@ -16,8 +16,9 @@ moved to another page (``claim``).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,10 @@ class Block:
     token_ids: tuple[int, ...] = ()
     namespace: Hashable = None
     scope: CacheScope | None = None  # the weights that computed it
+    depth: int = 0  # its place in its prefix chain
+    cached_at: float = 0.0
+    last_used: float = 0.0  # when a request last held or found it
+    hits: int = 0  # requests that found it cached
 
 
 def block_key(parent: int | None, namespace: Hashable, token_ids: tuple[int, ...]) -> int:
@@ -98,78 +103,142 @@ class BlockManager:
     block_size: int
     enable_prefix_caching: bool = True
     stats: CacheStats = field(default_factory=CacheStats)
+    clock: Callable[[], float] = time.monotonic
+    kv_pages: int | None = None  # most pages KV may hold, cached blocks included (None: all)
 
     def __post_init__(self) -> None:
         self.blocks = [Block(i) for i in range(self.num_blocks)]
         # Highest pages first: adapter weights take pages from the bottom of the pool up.
-        self._free: OrderedDict[int, None] = OrderedDict(
+        self._empty: OrderedDict[int, None] = OrderedDict(
             (i, None) for i in reversed(range(self.num_blocks))
         )
+        self._idle: OrderedDict[int, None] = OrderedDict()  # cached, free: least recent first
         self.cached: dict[int, int] = {}
         self.pending_copies: list[tuple[int, int]] = []
         self.reserved: set[int] = set()  # pages holding adapter weights
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Pages KV can take now: empty ones and those of cached blocks no request holds (within
+        ``kv_pages``, when the pool keeps the rest for adapters)."""
+        free = len(self._empty) + len(self._idle)
+        if self.kv_pages is None:
+            return free
+        return min(free, self.kv_pages - self.num_used_blocks)
+
+    @property
+    def num_kv_pages(self) -> int:
+        """Pages KV holds: blocks in use and cached blocks no request holds."""
+        return self.num_used_blocks + len(self._idle)
+
+    @property
+    def num_empty_blocks(self) -> int:
+        """Empty pages KV may take now (within ``kv_pages``)."""
+        if self.kv_pages is None:
+            return len(self._empty)
+        return max(min(len(self._empty), self.kv_pages - self.num_kv_pages), 0)
+
+    @property
+    def num_blank_pages(self) -> int:
+        """Empty pages, whoever may take them."""
+        return len(self._empty)
+
+    def idle_cached(self, protect: Collection[int] = ()) -> list[Block]:
+        """Cached blocks no request holds (``protect`` left out), least recently used first."""
+        return [self.blocks[b] for b in self._idle if b not in protect]
+
+    def drop(self, block_id: int) -> None:
+        """Forget a cached block no request holds: its page becomes empty."""
+        assert block_id in self._idle, f"block {block_id} is not a free cached block"
+        del self._idle[block_id]
+        self._forget(block_id)
+        self._empty[block_id] = None
 
     @property
     def num_used_blocks(self) -> int:
         """KV blocks held by sequences (adapter pages not counted)."""
-        return self.num_blocks - len(self._free) - len(self.reserved)
+        return self.num_blocks - len(self._empty) - len(self._idle) - len(self.reserved)
 
     # pages for adapters
     def claim(self, pages: Iterable[int], holders: Iterable[Sequence]) -> list[tuple[int, int]]:
         """Reserve ``pages`` for adapter weights. A KV block in use there moves to a free page
-        (``holders``' block tables follow it); returns the (from, to) page copies to make before
-        the pages are written. The caller checks that enough pages are free."""
+        (``holders``' block tables follow it), and so does a cached block while empty pages
+        remain; returns the (from, to) page copies to make before the pages are written. The
+        caller checks that enough pages are free."""
         assert not self.pending_copies, "claim pages before this step's copies are planned"
         wanted = list(pages)
-        in_use = []
+        in_use, idle = [], []
         for page in wanted:
             assert page not in self.reserved, f"page {page} is reserved already"
-            if self.blocks[page].ref_count == 0:
-                self._forget(page)
-                del self._free[page]
-                self.reserved.add(page)
-            else:
+            if self.blocks[page].ref_count:
                 in_use.append(page)
-        assert len(in_use) <= len(self._free), "not enough free pages to move KV blocks"
+                continue
+            if page in self._idle:
+                del self._idle[page]
+                idle.append(page)
+            else:
+                del self._empty[page]
+            self.reserved.add(page)
+        assert len(in_use) <= self.num_free_blocks, "not enough free pages to move KV blocks"
         moves = []
         tables = [seq.block_table for seq in holders]
         for page in in_use:
-            dst, _ = self._free.popitem(last=False)
-            self._forget(dst)
-            old, new = self.blocks[page], self.blocks[dst]
-            new.ref_count, new.key, new.token_ids = old.ref_count, old.key, old.token_ids
-            new.namespace, new.scope = old.namespace, old.scope
-            if old.key is not None and self.cached.get(old.key) == page:
-                self.cached[old.key] = dst
-            self.blocks[page] = Block(page)
+            if self._empty:  # moving a block in use leaves the KV's share as it was
+                dst, _ = self._empty.popitem(last=False)
+            else:
+                dst = self._fresh_page()
+            self._move(page, dst)
             for table in tables:
                 for i, block_id in enumerate(table):
                     if block_id == page:
                         table[i] = dst
             self.reserved.add(page)
             moves.append((page, dst))
+        for page in idle:
+            if self._empty:
+                dst, _ = self._empty.popitem(last=False)
+                self._move(page, dst)
+                self._idle[dst] = None
+                moves.append((page, dst))
+            else:
+                self._forget(page)
+        for page in [*in_use, *idle]:
+            self._idle.pop(page, None)
+        self._idle = OrderedDict(sorted(self._idle.items(), key=lambda i: self._last_used(i[0])))
         return moves
+
+    def _move(self, page: int, dst: int) -> None:
+        """Move the block in ``page`` to the free page ``dst``; ``page`` is left blank."""
+        old, new = self.blocks[page], self.blocks[dst]
+        new.ref_count, new.key, new.token_ids = old.ref_count, old.key, old.token_ids
+        new.namespace, new.scope, new.depth = old.namespace, old.scope, old.depth
+        new.cached_at, new.last_used, new.hits = old.cached_at, old.last_used, old.hits
+        if old.key is not None and self.cached.get(old.key) == page:
+            self.cached[old.key] = dst
+        self.blocks[page] = Block(page)
+
+    def _last_used(self, block_id: int) -> float:
+        return self.blocks[block_id].last_used
 
     def release_pages(self, pages: Iterable[int]) -> None:
         """Give pages that held adapter weights back to the KV."""
         for page in pages:
             self.reserved.remove(page)
-            self._free[page] = None
+            self._empty[page] = None
 
     def demote(self, scope_matches: Callable[[CacheScope | None], bool]) -> None:
-        """Make the free cached blocks whose scope matches the first to be reused."""
-        for block_id in [b for b in self._free if scope_matches(self.blocks[b].scope)]:
-            self._free.move_to_end(block_id, last=False)
+        """Make the free cached blocks whose scope matches the first to be reused, as if never
+        used (their weights left the pool: they serve nobody until those come back)."""
+        for block_id in [b for b in self._idle if scope_matches(self.blocks[b].scope)]:
+            self.blocks[block_id].last_used = float("-inf")
+            self._idle.move_to_end(block_id, last=False)
 
     def _forget(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.key is not None and self.cached.get(block.key) == block_id:
             del self.cached[block.key]
         block.key, block.token_ids, block.namespace, block.scope = None, (), None, None
+        block.depth, block.hits = 0, 0
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -206,14 +275,21 @@ class BlockManager:
     ) -> bool:
         """Whether ``seq`` (holding no blocks yet) can start, computing up to ``max_new_tokens``
         tokens past its cached prefix in this step."""
+        needed, hits = self.allocation(seq, max_new_tokens, may_reuse)
+        reclaimable = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return self.num_free_blocks - reclaimable >= needed
+
+    def allocation(
+        self, seq: Sequence, max_new_tokens: int, may_reuse: ReuseCheck | None = None
+    ) -> tuple[int, list[int]]:
+        """New pages ``seq`` (holding no blocks yet) takes to start, computing up to
+        ``max_new_tokens`` tokens past its cached prefix, and the cached blocks it reuses."""
         hits = self._find_prefix(seq, may_reuse, record=False)
         cached = len(hits) * self.block_size
         copy_on_write = int(cached == len(seq.token_ids))
         cached -= copy_on_write
         num_new = min(len(seq.token_ids) - cached, max_new_tokens)
-        needed = self.blocks_for(cached + num_new) - len(hits) + copy_on_write
-        reclaimable = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        return self.num_free_blocks - reclaimable >= needed
+        return self.blocks_for(cached + num_new) - len(hits) + copy_on_write, hits
 
     def allocate(self, seq: Sequence, may_reuse: ReuseCheck | None = None) -> None:
         """Give ``seq`` its cached prefix blocks; it computes from the first uncached token.
@@ -221,6 +297,7 @@ class BlockManager:
         assert not seq.block_table
         hits = self._find_prefix(seq, may_reuse, record=True)
         for block_id in hits:
+            self.blocks[block_id].hits += 1
             self._take(block_id)
         seq.block_table = list(hits)
         cached = len(hits) * self.block_size
@@ -239,8 +316,13 @@ class BlockManager:
         seq.num_computed_tokens = seq.num_cached_tokens = cached
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return self.num_free_blocks >= needed
+        return self.num_free_blocks >= self.to_append(seq, num_new_tokens)
+
+    def to_append(self, seq: Sequence, num_new_tokens: int) -> int:
+        """New pages ``seq`` takes to hold ``num_new_tokens`` more tokens."""
+        return max(
+            self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table), 0
+        )
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow ``seq``'s block table to hold ``num_new_tokens`` more tokens."""
@@ -262,7 +344,8 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.key is None and key not in self.cached:
                 block.key, block.token_ids, block.namespace = key, chunk, seq.cache_namespace
-                block.scope = seq.cache_scope
+                block.scope, block.depth = seq.cache_scope, i
+                block.cached_at = block.last_used = self.clock()
                 self.cached[key] = block.block_id
 
     def free(self, seq: Sequence) -> None:
@@ -276,18 +359,34 @@ class BlockManager:
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self._free[block_id]
+            del self._idle[block_id]
         block.ref_count += 1
+        block.last_used = self.clock()
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
         block.ref_count -= 1
         assert block.ref_count >= 0, f"block {block_id} released twice"
-        if block.ref_count == 0:
-            self._free[block_id] = None
+        if block.ref_count:
+            return
+        if block.key is not None and self.cached.get(block.key) == block_id:
+            block.last_used = self.clock()
+            self._idle[block_id] = None
+        else:
+            self._forget(block_id)
+            self._empty[block_id] = None
 
     def _fresh_block(self) -> int:
-        block_id, _ = self._free.popitem(last=False)
-        self._forget(block_id)
+        block_id = self._fresh_page()
         self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def _fresh_page(self) -> int:
+        """A free page, blank: an empty one (while KV is within ``kv_pages``), else the least
+        recently used cached block's."""
+        if self._empty and (self.kv_pages is None or self.num_kv_pages < self.kv_pages):
+            block_id, _ = self._empty.popitem(last=False)
+        else:
+            block_id, _ = self._idle.popitem(last=False)
+        self._forget(block_id)
         return block_id

@@ -55,6 +55,7 @@ class LLM:
         max_lora_rank: int = 64,
         cache_memory: int | str | None = None,
         kv_cache_memory: int | str | None = None,
+        adapter_memory: int | str | None = None,
         residency_quantum_ms: int = 1000,
         lora_compute: str = "auto",
         weight_layout: str = "auto",

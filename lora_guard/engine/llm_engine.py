@@ -141,6 +141,8 @@ class LLMEngine(EngineQueries):
         self.stats.prompt_tokens += plan.num_tokens - len(result.sampled)
         self._step_finished(plan.num_tokens, time.perf_counter() - started)
         seconds, adapters = time.perf_counter() - started, plan.adapter_bytes()
+        if not self.adapters.costs.external:
+            self.adapters.costs.step(prefill, seconds * 1000)
         batch = (len(plan.scheduled), len(adapters), sum(adapters), prefill)
         loads = self.adapters.stats.loads - loads
         record = StepRecord(self.stats.steps, time.time(), seconds, *batch, loads)

@@ -29,6 +29,7 @@ class RequestOutput:
     error: str | None = None
     stop_sequence: str | None = None
     retry_after: float | None = None  # set when a policy answered "busy, retry later"
+    held_s: float = 0.0  # seconds a policy left it out of the batch while it waited
 
     @classmethod
     def of(cls, seq: Sequence, text: str, stop_sequence: str | None = None) -> RequestOutput:
@@ -44,6 +45,7 @@ class RequestOutput:
             error=seq.error,
             stop_sequence=stop_sequence,
             retry_after=seq.retry_after,
+            held_s=seq.held_s,
         )
 
 

@@ -162,7 +162,13 @@ class Scheduler:
         if chosen is None:
             return list(self.waiting)
         by_id = {s.request_id: s for s in self.waiting}
-        return [by_id.pop(i) for i in chosen if i in by_id]
+        offered = [by_id.pop(i) for i in chosen if i in by_id]
+        now = self.clock()
+        for seq in offered:
+            seq.hold(now, False)
+        for seq in by_id.values():
+            seq.hold(now, True)
+        return offered
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -328,6 +334,7 @@ class Scheduler:
                 continue
             entry = need.resident if need is not None else None
             n = min(seq.num_uncomputed_tokens, budget)
+            self.adapters.make_room(self.blocks.to_append(seq, n), keep=entry)
             while not self.blocks.can_append(seq, n):
                 if self.adapters.evict_for_kv(keep=entry):
                     self._state = None
@@ -364,6 +371,8 @@ class Scheduler:
                 out.failed.append(Failure(seq, self._too_long(seq)))
                 continue
             self.bind_cache(seq, content_hash)
+            pages, reused = self.blocks.allocation(seq, budget, self.may_reuse)
+            self.adapters.make_room(pages, keep=entry, protect=reused)
             while not self.blocks.can_allocate(seq, budget, self.may_reuse):
                 if not self.adapters.evict_for_kv(keep=entry):
                     break
@@ -408,6 +417,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Take ``seq`` out of the scheduler and give back its blocks and adapter slot."""
+        seq.hold(self.clock(), False)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -68,6 +68,8 @@ class Sequence:
     adapter_hash: str | None = None  # the adapter weights it started under
     adapter_needed_at: float | None = None  # when it began to wait for its adapter
     parked_since: float | None = None  # running, but its adapter is out of the pool
+    held_since: float | None = None  # waiting, left out of the batch by a policy since then
+    held_s: float = 0.0  # time left out of the batch by a policy, ended spells
     adapter_ready_once: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -109,4 +111,13 @@ class Sequence:
             max_new_tokens=self.params.max_new_tokens,
             first_token_time=self.first_token_time,
             finished_time=self.finished_time,
+            held_s=self.held_s,
         )
+
+    def hold(self, now: float, held: bool) -> None:
+        """Whether a policy leaves it out of the batch being formed (``lora_guard_batch_form``)."""
+        if held and self.held_since is None:
+            self.held_since = now
+        elif not held and self.held_since is not None:
+            self.held_s += now - self.held_since
+            self.held_since = None

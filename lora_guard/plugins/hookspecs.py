@@ -16,6 +16,7 @@ from typing import Any
 import pluggy
 
 from lora_guard.plugins.decisions import AdapterDecision
+from lora_guard.plugins.eviction import Candidate
 from lora_guard.plugins.options import OptionRegistry
 from lora_guard.plugins.state import EngineState, RequestView
 
@@ -141,6 +142,33 @@ def lora_guard_cache_reuse(
     Firstresult.
 
     .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def lora_guard_cache_evict(
+    candidates: Sequence[Candidate], pages: int, purpose: str, now: float
+) -> Sequence[Candidate] | None:
+    """The cache pool needs pages and its empty ones are too few: order what may give pages
+    back, cached prefix blocks and resident adapters alike.
+
+    :param candidates: every cached prefix block no request holds (but those the asking request
+        reuses) and every resident adapter the engine lets leave now that no request needs
+        (``Candidate``: kind, pages, last use, uses, the cost to bring it back by the engine's
+        own step records, its adapter, its place in its chain). Pinned adapters, adapters a
+        step computes with and blocks a request holds are never offered.
+    :param pages: how many pages are short.
+    :param purpose: ``"kv"`` (a request's KV) or ``"adapter"`` (an adapter's weights).
+    :param now: the engine's clock.
+    :return: candidates, most expendable first; the engine frees them in that order until
+        enough pages are empty. Those left out stay, except that KV in use that still has no
+        room then takes cached blocks least recently used first. None: the next plugin, else
+        the engine's default, least recently used first over both kinds (S-LoRA's unified
+        pool).
+
+    Firstresult. Called on the step loop, only when empty pages run short.
+
+    .. versionadded:: 0.4
     """
 
 

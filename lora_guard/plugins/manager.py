@@ -19,6 +19,7 @@ import pluggy
 
 from lora_guard.plugins import hookspecs
 from lora_guard.plugins.decisions import AdapterDecision, BusyRetry, Reject
+from lora_guard.plugins.eviction import Candidate
 from lora_guard.plugins.options import OptionRegistry
 from lora_guard.plugins.state import EngineState, RequestView
 
@@ -222,6 +223,20 @@ class Hooks:
                 request_scope=request_scope,
             )
         )
+
+    def cache_evict(
+        self, *, candidates: Sequence[Candidate], pages: int, purpose: str, now: float
+    ) -> Sequence[Candidate] | None:
+        if not self.has("lora_guard_cache_evict"):
+            return None
+        result: Sequence[Candidate] | None = self._decide(
+            self.pm.hook.lora_guard_cache_evict,
+            candidates=candidates,
+            pages=pages,
+            purpose=purpose,
+            now=now,
+        )
+        return result
 
     def notify(self, hook_name: str, **kwargs: Any) -> None:
         """Call an observer hook; a plugin that raises is logged and counted, never fatal."""

@@ -27,6 +27,7 @@ class RequestView:
     # first token and end; None before
     first_token_time: float | None = None
     finished_time: float | None = None
+    held_s: float = 0.0  # seconds a policy has left it out of the batch (batch form) so far
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +82,9 @@ class EngineState:
         running or waiting request needs, once it is in host memory.
     :param pool_pages: pages of the whole cache pool (KV blocks and adapter pages).
     :param block_size: tokens of KV a page holds.
+    :param reads_in_background: a cold adapter is read from disk beside the steps (the bundled
+        engine's loader thread), so its requests cannot run until the read ends; False where
+        the step that needs it reads it (inside vLLM).
     """
 
     step: int
@@ -108,6 +112,7 @@ class EngineState:
     adapter_pages: Mapping[str, int] = field(default_factory=dict)
     pool_pages: int = 0
     block_size: int = 16
+    reads_in_background: bool = True
 
     def slot_of(self, adapter_id: str) -> int | None:
         for view in self.slots:

@@ -1,32 +1,45 @@
 """Hot-set admission: admit only the adapters the pool can hold beside the KV of the batch, keep
-the ones with the most traffic per page resident, keep one tenant's flood from crowding out the
+the pages worth the most per page resident, keep one tenant's flood from crowding out the
 others, and bound how long any request waits.
 
 Adapters cannot be served from outside the pool: each running request needs its adapter resident
 at every step it computes. Admitting requests for more adapters than fit beside the batch's KV
 makes the engine rotate them step by step (parking requests, loading again what it just
 evicted): the thrash of the regime where adapters outnumber memory. So batch form offers a
-waiting request, first come first served, only when its adapter is resident or running already,
-or when its pages fit in the pool beside the adapters the running batch uses and the KV that
-batch will hold at its longest (the working set) and a seat is free or may be freed for it
-(pinned adapters keep theirs); a request that does not fit waits, and the ones behind it may
-go: a request whose adapter cannot be seated never holds back one whose adapter is resident. A
+waiting request, first come first served, when its adapter is resident or running already, or
+when its pages fit in the pool beside the adapters the running batch uses and the KV that batch
+will hold at its longest (the working set); a request whose adapter's pages do not fit waits,
+and the ones behind it may go: a request whose adapter cannot be seated never holds back one
+whose adapter is resident, and one whose adapter is still being read from disk holds nobody's
+place. When only the seats (``max_loras``) are full, the request is offered all the same and
+its adapter takes its turn: once a seat's residency quantum is over, the adapter running
+requests use least valuably leaves for it (they wait, parked, with their KV), as time slices
+do, so a short request for a new adapter never waits for whole long requests of others. A
 tenant running more than twice its share of the batch (running requests over active tenants)
 waits while other tenants have requests. A request that has waited ``max_adapter_wait_s`` goes
 ahead of all, and no request for an adapter outside the working set is admitted before it; when
 its adapter cannot be seated, the running adapter it would displace first takes no new requests
-until its running ones end (it drains), so the wait stays bounded even when a steady stream keeps
-every seat busy.
+until its running ones end (it drains), so the wait stays bounded even where running requests
+cannot be parked (inside vLLM).
 
 Heat is the number of requests per adapter over a sliding window (the engine's, ``heat_window_s``).
 To make room, adapters no running request uses leave first, the least heat per page first (a
 one-off request's adapter before a hot one, a large cold adapter before a small cold one, as
 GreedyDual-Size-Frequency); pinned adapters never. With a seat cap, a tenant already holding its
 fair share of the seats may not evict another tenant's hot adapters (the hot set: pinned
-adapters and the ``hot_set_size`` hottest). A request waited on ``max_adapter_wait_s``, or a
-parked running one, may also displace adapters running requests use, so none waits forever; when
+adapters and the ``hot_set_size`` hottest). A request waited on ``max_adapter_wait_s``, a
+parked running one, or one that finds every seat held by running requests' adapters, may also
+displace adapters running requests use (once their quantum is over), so none waits forever; when
 no request runs, the first one waiting may displace any adapter but a pinned one (an idle engine
 keeps no seat for traffic that has not come).
+
+When the pool runs short of empty pages (``lora_guard_cache_evict``), every page that could
+leave is valued by what keeping it saves: its expected reuse (requests per second) times what
+bringing it back costs (by the engine's own step records: an adapter's write into the pool, a
+block's tokens prefilled again), per page; the lowest value leaves first. An adapter's reuse is
+its heat over the window. A cached block can be found only by its adapter's requests, so its
+reuse is at most its adapter's; a block found often is worth that much, one never found again
+since it was cached falls with its age (one pseudo-hit over its age).
 
 ``max_loras_per_batch`` caps the distinct adapters of the running requests when set.
 """
@@ -40,6 +53,7 @@ from typing import Any
 
 from lora_guard.plugins import hookimpl
 from lora_guard.plugins.decisions import AdapterDecision
+from lora_guard.plugins.eviction import ADAPTER, Candidate
 from lora_guard.plugins.options import OptionRegistry, id_list
 from lora_guard.plugins.state import EngineState, RequestView, SlotView
 from lora_guard.policies.victims import plan_load
@@ -53,6 +67,7 @@ class HotSetPolicy:
         self.seats = 8  # 0: no seat cap
         self.max_loras_per_batch = 0
         self.max_wait_s = 8.0
+        self.heat_window_s = 60.0
 
     @hookimpl
     def lora_guard_add_options(self, options: OptionRegistry) -> None:
@@ -89,6 +104,7 @@ class HotSetPolicy:
             self.hot_set_size = max(self.seats - 1, 0) if self.seats else None
         self.max_loras_per_batch = int(config.get("max_loras_per_batch", 0))
         self.max_wait_s = float(config.get("max_adapter_wait_s", 8.0))
+        self.heat_window_s = float(config.get("heat_window_s", 60.0))
         if (self.hot_set_size or 0) < 0 or self.max_loras_per_batch < 0 or self.max_wait_s <= 0:
             raise ValueError(
                 "hot_set_size and max_loras_per_batch must be >= 0, max_adapter_wait_s > 0"
@@ -136,6 +152,25 @@ class HotSetPolicy:
 
         return sorted(movable, key=value)
 
+    # the pool's pages
+    @hookimpl
+    def lora_guard_cache_evict(
+        self, candidates: Sequence[Candidate], now: float
+    ) -> list[Candidate]:
+        window = self.heat_window_s
+
+        def value(c: Candidate) -> tuple[float, float, int]:
+            """Milliseconds a second keeping one of its pages saves; then least recent first."""
+            if c.kind == ADAPTER:
+                rate = c.uses / window
+            else:
+                rate = (c.uses + 1) / max(now - c.cached_at, 1.0)
+                if c.adapter_id is not None:
+                    rate = min(rate, c.adapter_uses / window)
+            return rate * c.restore_ms / max(c.pages, 1), c.last_used, -c.depth
+
+        return sorted(candidates, key=value)
+
     # adapter load
     @hookimpl
     def lora_guard_adapter_load(
@@ -144,7 +179,14 @@ class HotSetPolicy:
         if tier == "cold" or request.adapter_id is None:
             return None  # reading into host memory needs no seat
         forced = parked or self.aged(request, state) or not state.num_running
+        forced = forced or self.seats_full(state)
         return plan_load(state, request, self.victims(state, request, forced))
+
+    def seats_full(self, state: EngineState) -> bool:
+        """Whether a seat cap binds: every seat holds an adapter running requests use. Then
+        adapters take turns at the residency quantum (the engine's ``evictable``), as LoRAX's
+        time slices do, rather than a request waiting for whole requests of others to end."""
+        return bool(self.seats) and all(v.adapter_id is not None and v.refs for v in state.slots)
 
     # batch form
     @hookimpl
@@ -180,13 +222,21 @@ class HotSetPolicy:
                 if need > room and (chosen or running):
                     continue  # its KV at its longest would squeeze the working set's adapters
                 adapter = r.adapter_id
+                if (
+                    adapter is not None
+                    and adapter not in resident
+                    and self.in_flight(adapter, state)
+                ):
+                    # its read from disk decides when it can run: it holds nobody's place meanwhile
+                    chosen.append(r.request_id)
+                    continue
                 joins = adapter is not None and adapter not in working
                 if joins:
                     assert adapter is not None
                     extra = pages.get(adapter, 0)
                     seats = self.seats or math.inf  # 0: no seat cap, the pages decide
-                    fits = extra + need <= room and len(working) < cap
-                    fits = fits and len(working | pinned | {adapter}) <= seats
+                    room_fits = extra + need <= room and len(working) < cap
+                    fits = room_fits and len(working | pinned | {adapter}) <= seats
                     seats_it = adapter not in resident
                     if fits and seats_it and self.seats:
                         idle = not (running or chosen)  # keeps no seat for traffic to come
@@ -195,6 +245,10 @@ class HotSetPolicy:
                         if r in aged and not blocked:
                             draining = self.drain_for(state, r, working)
                         blocked = blocked or r in aged
+                        if room_fits and not blocked:
+                            # only the seats are full: it takes its turn once a seat's quantum
+                            # is over (``adapter_load``), as time slices do
+                            chosen.append(r.request_id)
                         continue
                     working.add(adapter)
                     seated += seats_it
@@ -221,6 +275,13 @@ class HotSetPolicy:
         evict that are not in ``keep`` (the batch being formed)."""
         movable = [v for v in self.victims(state, request, forced) if v.adapter_id not in keep]
         return len(state.free_slots) + len(movable)
+
+    @staticmethod
+    def in_flight(adapter: str, state: EngineState) -> bool:
+        """Whether ``adapter`` is being read from disk, or must be, beside the steps: its
+        requests cannot run before the read ends."""
+        cold = adapter not in state.host_adapters and state.reads_in_background
+        return adapter in state.loading or cold
 
     @staticmethod
     def kv_pages(request: RequestView, state: EngineState) -> int:

@@ -27,6 +27,7 @@ from typing import Any
 from lora_guard.engine.usage import AdapterUsage
 from lora_guard.metrics import MetricsPlugin
 from lora_guard.plugins import Defer, Reject
+from lora_guard.plugins.eviction import ResidentView, eviction_order
 from lora_guard.plugins.manager import Hooks
 from lora_guard.plugins.state import EngineState, RequestView, SlotView
 from lora_guard.vllm import channel
@@ -73,7 +74,12 @@ class Seats:
             if len(self.seat_of) < self.size:
                 seat = min(set(range(self.size)) - set(self.seat_of.values()))
             else:
-                evicted = next((a for a in self.seat_of if a not in batch), None)
+                views = [
+                    ResidentView(a, self.last_used[a], self.loaded_at[a], held=a in batch)
+                    for a in self.seat_of
+                ]
+                order = eviction_order(views, now, quantum_s=0.0)  # the engine's own rule
+                evicted = order[0] if order else None
                 if evicted is None:
                     continue  # more adapters than seats in one batch: vLLM's gate forbids it
                 seat = self.seat_of.pop(evicted)
@@ -180,6 +186,7 @@ class SchedulerGuard:
             slots=slots,
             host_adapters=tuple(self.host.seat_of),
             loading=frozenset(),
+            reads_in_background=False,
             memory_watermark=min(kv_blocks / max(self.num_blocks, 1), 1.0),
             kv_share=min(kv_blocks / max(self.num_blocks, 1), 1.0),
             num_waiting=len(waiting),

@@ -12,11 +12,16 @@ OWNER = {"a1": "A", "a2": "A", "a3": "A", "b1": "B", "b2": "B", "b3": "B"}
 
 
 def decide(
-    seats: list[str], heat: dict[str, int], hot_set_size: int, age_s: float = 1.0, refs: int = 0
+    seats: list[str],
+    heat: dict[str, int],
+    hot_set_size: int,
+    age_s: float = 1.0,
+    refs: int = 0,
+    evictable: bool = True,
 ) -> object:
     """Tenant B asks for a seat for ``b3`` while the engine runs a request; every seat holds an
     adapter (``seats[i]`` in seat i, the lower the seat the longer unused) that ``refs`` running
-    requests use."""
+    requests use, ``evictable`` when its residency quantum is over."""
     policy = HotSetPolicy()
     policy.lora_guard_configure({"max_loras": len(seats), "hot_set_size": hot_set_size})
     state = EngineState(
@@ -27,7 +32,7 @@ def decide(
         memory_watermark=0.1,
         num_waiting=1,
         num_running=1,
-        slots=tuple(SlotView(i, a, refs, float(i), True) for i, a in enumerate(seats)),
+        slots=tuple(SlotView(i, a, refs, float(i), evictable) for i, a in enumerate(seats)),
         heat=heat,
         tenant_heat={(OWNER[a], a): n for a, n in heat.items()},
     )
@@ -54,9 +59,12 @@ def test_a_tenant_below_its_share_may_displace_any_hot_adapter() -> None:
     assert decide(["a1", "a2", "a3", "b1"], heat, hot_set_size=5) == Load(0)
 
 
-def test_an_adapter_of_the_running_batch_leaves_only_for_a_request_waited_too_long() -> None:
+def test_when_every_seat_is_busy_adapters_take_turns_at_the_quantum() -> None:
     heat = {"a1": 9, "a2": 8, "b1": 7, "b2": 6, "b3": 1}
     seats = ["a1", "a2", "b1", "b2"]
-    assert isinstance(decide(seats, heat, hot_set_size=4, refs=1), Defer)
-    # max_adapter_wait_s (8 s): the least valuable seat goes, its requests parked a while
+    # Every seat's adapter runs requests and is within its residency quantum: b3 waits.
+    assert isinstance(decide(seats, heat, hot_set_size=4, refs=1, evictable=False), Defer)
+    # Their quantum is over: the least valuable seat goes, its requests parked for a turn.
+    assert decide(seats, heat, hot_set_size=4, refs=1) == Load(3)
+    # So does a request that waited max_adapter_wait_s (8 s).
     assert decide(seats, heat, hot_set_size=4, refs=1, age_s=8.0) == Load(3)

@@ -101,10 +101,35 @@ PREFIXES = [[5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 20, 21], [30, 31, 32, 33, 
 @settings(
     max_examples=100,
     deadline=None,
-    derandomize=True,
+    print_blob=True,  # a failure prints the @reproduce_failure line; keep it as an @example
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(stream=st.lists(request, min_size=1, max_size=24), knob=knobs)
+@example(  # once found: with max_loras_per_batch, a cold adapter's load in flight took the
+    # batch's one adapter place for 19 steps while p-00, resident, waited behind it
+    stream=[
+        *[(0, 0, "acme", 0, 4), (0, None, "acme", 0, 1), (0, 5, "acme", 0, 3)],
+        *[(0, None, "acme", 0, 1)] * 2,
+        *[(0, 4, "acme", 0, 3), *[(0, None, "acme", 0, 1)] * 2, (0, 2, "acme", 0, 2)],
+        *[(0, None, "acme", 0, 1)] * 3,
+        *[
+            (0, 1, "acme", 0, 4),
+            (0, None, "acme", 0, 3),
+            (0, 3, "acme", 0, 4),
+            (7, 0, "acme", 0, 1),
+        ],
+        *[(0, None, "acme", 0, 1)] * 4,
+    ],
+    knob={
+        "max_loras": 4,
+        "cold_loads_per_minute": 1,
+        "low_watermark": 0.05,
+        "pin_first": False,
+        "hot_set_size": 0,
+        "max_loras_per_batch": 1,
+        "kv_blocks": 64,
+    },
+)
 @example(  # once found: acme's cold requests, unseatable, held back globex's resident adapter
     stream=[
         *[(0, None, "acme", 0, 1)] * 5,

@@ -1,4 +1,4 @@
-"""The engine's victim choice is written once (``policies.victims``): the residency manager and
+"""The engine's victim choice is written once (``plugins.eviction``): the residency manager and
 the simulator, given the same residents, evict the same adapter."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from lora_guard.engine.kv_cache import BlockManager
 from lora_guard.engine.lora.loader import HostCache
 from lora_guard.engine.lora.registry import AdapterRegistry
 from lora_guard.engine.lora.residency import ResidencyManager, Resident
-from lora_guard.policies.victims import ResidentView, eviction_order, kv_order, may_leave
+from lora_guard.plugins.eviction import ResidentView, eviction_order, kv_order, may_leave
 from lora_guard.simulate import Replica, _Events, _Fleet, _Seat
 from lora_guard.simulate_costs import Costs
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -32,9 +33,18 @@ from lora_guard.engine.lora.pool import AdapterLayout, CachePool, LayerWeights
 from lora_guard.engine.lora.registry import AdapterRegistry
 from lora_guard.engine.lora.tiers import Lookup, Need, Residency
 from lora_guard.engine.sequence import Sequence, Status
+from lora_guard.plugins.eviction import (
+    ADAPTER,
+    PREFIX,
+    Candidate,
+    ResidentView,
+    choose,
+    eviction_order,
+    kv_order,
+    may_leave,
+)
 from lora_guard.plugins.manager import Hooks
 from lora_guard.plugins.state import SlotView
-from lora_guard.policies.victims import ResidentView, eviction_order, kv_order, may_leave
 
 
 @dataclass(eq=False)
@@ -220,7 +230,7 @@ class ResidencyManager(Residency):
             entry.last_used = self.clock()
 
     def resident_views(self) -> list[ResidentView[Resident]]:
-        """The residents as the victim choice sees them (``policies.victims``)."""
+        """The residents as the victim choice sees them (``plugins.eviction``)."""
         return [self._view(entry) for entry in self.residents()]
 
     def _view(self, entry: Resident) -> ResidentView[Resident]:
@@ -237,12 +247,12 @@ class ResidencyManager(Residency):
         )
 
     def evictable(self, entry: Resident, now: float) -> bool:
-        """Whether ``entry`` may leave the pool now (``policies.victims.may_leave``)."""
+        """Whether ``entry`` may leave the pool now (``plugins.eviction.may_leave``)."""
         return may_leave(self._view(entry), now, self.quantum_s)
 
     def choose_seat(self, now: float) -> int | None:
         """A free seat, else the seat of the engine's first victim
-        (``policies.victims.eviction_order``)."""
+        (``plugins.eviction.eviction_order``)."""
         for seat, entry in enumerate(self.seats):
             if entry is None:
                 return seat
@@ -288,10 +298,10 @@ class ResidencyManager(Residency):
         if adapter is None:
             return None
         layout = self._layout(adapter)
-        if layout.num_pages > self.pool.num_pages:
+        if layout.num_pages > self.adapter_region:
             raise AdapterError(
-                f"adapter {adapter_id!r} needs {layout.nbytes} bytes, more than the whole cache "
-                f"pool ({self.pool.nbytes()} bytes)"
+                f"adapter {adapter_id!r} needs {layout.nbytes} bytes, more than the cache pool "
+                f"keeps for adapters ({self.adapter_region} pages)"
             )
         if seat is None:
             seat = self.choose_seat(now)
@@ -301,31 +311,32 @@ class ResidencyManager(Residency):
         if occupant is not None and not self.evictable(occupant, now):
             return None
         victims = [occupant] if occupant is not None else []
-        freed = self.blocks.num_free_blocks + sum(v.num_pages for v in victims)
-        if freed < layout.num_pages:
+        if self._blank(victims) < layout.num_pages:
+            # the seats the policy named first, then the pool's choice (``_free_pages``)
             named = [self.seats[s] for s in evict if 0 <= s < len(self.seats)]
-            order = eviction_order(self.resident_views(), now, self.quantum_s)
-            idle = [e for e in order if e not in victims and not self.demand[e.adapter_id]]
-            chosen = [e for e in named if e is not None and self.evictable(e, now)]
-            for extra in dict.fromkeys([*chosen, *idle]):
-                if extra in victims:
+            for extra in named:
+                if extra is None or extra in victims or not self.evictable(extra, now):
                     continue
-                if freed >= layout.num_pages:
+                if self._blank(victims) >= layout.num_pages:
                     break
                 victims.append(extra)
-                freed += extra.num_pages
-            if freed < layout.num_pages:
+            idle = sum(c.pages for c in self._candidates(now, victims) if c.kind == ADAPTER)
+            cached = 0 if self.partitioned else len(self.blocks.idle_cached())
+            if self._blank(victims) + cached + idle < layout.num_pages:
                 self.short_of_pages = True
                 return None  # the pool is full of KV in use: wait for requests to finish
         thrash = not parked and self.load_evicts(need)  # before the pool changes
         started = time.perf_counter()
         for victim in victims:
             self.evict(victim)
+        self._free_pages(layout.num_pages, "adapter")
         first = self.top
         for src, dst in self.blocks.claim(range(first, first + layout.num_pages), holders):
             self.pool.copy_page(src, dst)
         self.top += layout.num_pages
         self.pool.write(adapter, layout, first)
+        if not self.costs.external:
+            self.costs.write(layout.num_pages, (time.perf_counter() - started) * 1000)
         entry = Resident(
             adapter_id,
             adapter.content_hash,
@@ -345,16 +356,118 @@ class ResidencyManager(Residency):
             self.usage.evicting_loads.add(adapter_id)
         return entry
 
+    @property
+    def partitioned(self) -> bool:
+        """Whether adapters have pages of their own (``adapter_memory``) that KV never takes."""
+        return self.blocks.kv_pages is not None and self.blocks.kv_pages < self.blocks.num_blocks
+
+    @property
+    def adapter_region(self) -> int:
+        """Pages adapters may hold together."""
+        blocks = self.blocks
+        return blocks.num_blocks - (blocks.kv_pages or 0) if self.partitioned else blocks.num_blocks
+
+    def _blank(self, victims: Iterable[Resident]) -> int:
+        """Pages an adapter could take now with ``victims`` gone, nothing else leaving."""
+        freed = sum(v.num_pages for v in victims)
+        if self.partitioned:
+            return self.adapter_region - len(self.blocks.reserved) + freed
+        return self.blocks.num_blank_pages + freed
+
     def evict_for_kv(self, keep: Resident | None) -> bool:
         """Evict the least recently used adapter that may give its pages to KV blocks
-        (``policies.victims.kv_order``), other than ``keep``; False when there is none. KV in use
+        (``plugins.eviction.kv_order``), other than ``keep``; False when there is none. KV in use
         outranks the quantum: the requests that need the adapter wait for it, parked or
         queued."""
         order = kv_order(v for v in self.resident_views() if v.resident is not keep)
-        if not order:
+        if not order or self.partitioned:
             return False
         self.evict(order[0])
         return True
+
+    def make_room(
+        self, pages: int, keep: Resident | None = None, protect: Iterable[int] = ()
+    ) -> None:
+        """Empty ``pages`` pages for KV if it can, by the pool's eviction choice over cached
+        prefix blocks and the adapters no request needs (other than ``keep``); ``protect``:
+        the blocks the asking request reuses."""
+        self._free_pages(pages, "kv", [keep] if keep is not None else [], protect)
+
+    def _free_pages(
+        self,
+        pages: int,
+        purpose: str,
+        exclude: Iterable[Resident] = (),
+        protect: Iterable[int] = (),
+    ) -> None:
+        """Free cached blocks and idle adapters, in the order ``lora_guard_cache_evict`` gives
+        (least recently used first by default), until ``pages`` pages are empty or the order
+        runs out."""
+        if purpose == "adapter":
+            short = pages - self._blank(())
+        else:
+            short = pages - self.blocks.num_empty_blocks
+        if short <= 0:
+            return
+        now = self.clock()
+        candidates = self._candidates(now, exclude, protect)
+        if self.partitioned:  # each kind gives pages only to its own
+            kind = ADAPTER if purpose == "adapter" else PREFIX
+            candidates = [c for c in candidates if c.kind == kind]
+        events = self.events
+        order = None
+        if events is not None and events.has("lora_guard_cache_evict"):
+
+            def order(offered: Seq[Candidate]) -> Seq[Candidate] | None:
+                return events.cache_evict(candidates=offered, pages=short, purpose=purpose, now=now)
+
+        for chosen in choose(candidates, short, order):
+            if chosen.kind == PREFIX:
+                self.blocks.drop(int(chosen.key))  # type: ignore[call-overload]
+            else:
+                entry = self.seats[int(chosen.key)]  # type: ignore[call-overload]
+                if entry is not None:
+                    self.evict(entry)
+
+    def _candidates(
+        self, now: float, exclude: Iterable[Resident] = (), protect: Iterable[int] = ()
+    ) -> list[Candidate]:
+        """What may give pages back now: cached blocks no request holds (but ``protect``), and
+        adapters that may leave that no request needs (but ``exclude``)."""
+        costs, heat, skip = self.costs, self.usage.heat(now), set(map(id, exclude))
+        out = [
+            Candidate(
+                ADAPTER,
+                entry.seat,
+                entry.num_pages,
+                entry.last_used,
+                heat.get(entry.adapter_id, 0),
+                costs.adapter_ms(entry.num_pages, entry.adapter_id in self.host.entries),
+                entry.adapter_id,
+                0,
+                entry.loaded_at,
+            )
+            for entry in eviction_order(self.resident_views(), now, self.quantum_s)
+            if id(entry) not in skip and (entry.stale or not self.demand[entry.adapter_id])
+        ]
+        prefill_ms = costs.prefill_ms(self.blocks.block_size)
+        for block in self.blocks.idle_cached(set(protect)):
+            adapter = block.scope.adapter_id if block.scope is not None else None
+            out.append(
+                Candidate(
+                    PREFIX,
+                    block.block_id,
+                    1,
+                    block.last_used,
+                    block.hits,
+                    prefill_ms,
+                    adapter,
+                    block.depth,
+                    block.cached_at,
+                    heat.get(adapter, 0) if adapter is not None else 0,
+                )
+            )
+        return out
 
     def evict(self, entry: Resident) -> None:
         """Take ``entry`` out of the pool; the adapters above it move down so no hole is left,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lora_guard.engine.cost_meter import CostMeter
 from lora_guard.engine.kv_cache import BlockManager
 from lora_guard.engine.lora.checkpoint import AdapterError, LoRAAdapter, files_stamp
 from lora_guard.engine.lora.loader import AdapterLoader, HostCache
@@ -90,6 +91,7 @@ class Residency:
         self.seats: list[Resident | None] = []
         self.usage = AdapterUsage(max_loras, clock=clock)  # pins, heat and recent loads
         self.stats = AdapterStats()
+        self.costs = CostMeter()  # what the engine's steps say a page costs to bring back
         self.demand: Counter[str] = Counter()  # requests (running or waiting) per adapter
         # running requests per version, (adapter id, content hash); (None, None): base weights
         self.bound: Counter[tuple[str | None, str | None]] = Counter()
@@ -237,6 +239,14 @@ class Residency:
     def evict_for_kv(self, keep: Resident | None) -> bool:
         """Give an adapter's pages to KV in use; False when none can go."""
         return False
+
+    def make_room(
+        self, pages: int, keep: Resident | None = None, protect: Iterable[int] = ()
+    ) -> None:
+        """Empty ``pages`` pages for KV if it can, by the pool's eviction choice over cached
+        prefix blocks and idle adapters (``plugins/eviction.py``); ``protect``: blocks the
+        asking request reuses. Without adapter pages, free cached blocks are reused least
+        recently used first, as they come."""
 
     # disk
     def _read_from_disk(self, adapter_id: str) -> None:

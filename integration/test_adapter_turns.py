@@ -1,0 +1,72 @@
+"""More adapters in use than seats, through the server with the default policies: a short request
+for a seventh adapter ends before any of six long requests on six others, since the adapters
+take turns in the two seats at the residency quantum instead of the short one waiting for whole
+long requests; how long the policies held each request back is on /metrics."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from lora_guard.demo.adapters import make_adapters
+from lora_guard.demo.testing import metric_samples, start_server
+
+LONG_TOKENS = 400
+QUANTUM_MS = 50
+
+
+def test_a_short_request_for_a_seventh_adapter_ends_before_the_long_ones(
+    tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    model, _ = tiny
+    adapter_dir = tmp_path / "adapters"
+    names = [p.name for p in make_adapters(model, adapter_dir, n=7, ranks=(4,), prefix="t")]
+    server = start_server(
+        model,
+        adapter_dir,
+        "--max-loras",
+        "2",
+        "--residency-quantum-ms",
+        str(QUANTUM_MS),
+        log=tmp_path / "server.log",
+    )
+    ended: dict[str, float] = {}
+    errors: list[BaseException] = []
+
+    def send(name: str, adapter: str, tokens: int) -> None:
+        try:
+            body = {
+                "inputs": f"Request {name}:",
+                "parameters": {"max_new_tokens": tokens, "adapter_id": adapter},
+            }
+            reply = httpx.post(server.url + "/generate", json=body, timeout=300)
+            reply.raise_for_status()
+            ended[name] = time.monotonic()
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        started = time.monotonic()
+        threads = [
+            threading.Thread(target=send, args=(f"long-{i}", names[i], LONG_TOKENS))
+            for i in range(6)
+        ]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.5)
+        short = threading.Thread(target=send, args=("short", names[6], 4))
+        short.start()
+        for thread in [*threads, short]:
+            thread.join(300)
+        assert not errors, errors
+        longs = [ended[f"long-{i}"] - started for i in range(6)]
+        took = ended["short"] - started
+        print(f"short request ended at {took:.2f} s; the long ones at {min(longs):.2f} s and on")
+        assert took < min(longs), "the short request waited for whole long requests"
+        held = metric_samples(server.url)["lora_guard_request_held_ms_count"]
+        assert held == [({}, 7.0)], "every finished request's hold-back is counted"
+    finally:
+        assert server.stop() == 0, (tmp_path / "server.log").read_text()
