@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lora_guard.plugins import hookimpl
-from lora_guard.plugins.decisions import AdapterDecision
+from lora_guard.plugins.decisions import AdapterDecision, Defer
 from lora_guard.plugins.eviction import ADAPTER, Candidate
 from lora_guard.plugins.options import OptionRegistry, id_list
 from lora_guard.plugins.state import EngineState, RequestView, SlotView
@@ -147,8 +147,7 @@ class HotSetPolicy:
             movable = [v for v in movable if not v.refs]
 
         def value(v: SlotView) -> tuple[bool, float, float]:
-            density = state.heat.get(v.adapter_id or "", 0) / max(v.pages, 1)
-            return v.refs > 0, density, v.last_used
+            return v.refs > 0, self.density(v, state), v.last_used
 
         return sorted(movable, key=value)
 
@@ -180,7 +179,25 @@ class HotSetPolicy:
             return None  # reading into host memory needs no seat
         forced = parked or self.aged(request, state) or not state.num_running
         forced = forced or self.seats_full(state)
-        return plan_load(state, request, self.victims(state, request, forced))
+        victims = self.victims(state, request, forced)
+        if self.seats and not state.free_slots and not forced and victims:
+            busy = [
+                v
+                for v in state.slots
+                if v.refs and v.adapter_id is not None and v.adapter_id not in state.pinned
+            ]
+            busy.sort(key=lambda v: self.density(v, state))
+            if busy and self.density(busy[0], state) < self.density(victims[0], state):
+                # a less used adapter's seat frees when its running requests end: wait for it
+                # rather than evict a hotter one
+                return Defer("a seat of a less used adapter frees soon")
+        return plan_load(state, request, victims)
+
+    def density(self, slot: SlotView, state: EngineState) -> float:
+        """Requests in the heat window per seat when every seat is taken (the seats bind),
+        else per page (the pages do)."""
+        heat = state.heat.get(slot.adapter_id or "", 0)
+        return heat if self.seats and not state.free_slots else heat / max(slot.pages, 1)
 
     def seats_full(self, state: EngineState) -> bool:
         """Whether a seat cap binds: every seat holds an adapter running requests use. Then

@@ -4,6 +4,8 @@ cold seat, or its own."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from lora_guard.plugins import Defer, Load
 from lora_guard.plugins.state import EngineState, RequestView, SlotView
 from lora_guard.policies.hot_set import HotSetPolicy
@@ -68,3 +70,33 @@ def test_when_every_seat_is_busy_adapters_take_turns_at_the_quantum() -> None:
     assert decide(seats, heat, hot_set_size=4, refs=1) == Load(3)
     # So does a request that waited max_adapter_wait_s (8 s).
     assert decide(seats, heat, hot_set_size=4, refs=1, age_s=8.0) == Load(3)
+
+
+def test_a_request_waits_for_a_colder_busy_seat_rather_than_evict_a_hot_idle_adapter() -> None:
+    # Seats bind, so heat per seat decides, not per page. a1 is busy but colder than every idle
+    # adapter: b3 waits for a1's seat instead of evicting a hotter one that is idle right now.
+    heat = {"a1": 1, "a2": 8, "b1": 7, "b2": 6, "b3": 2}
+    policy = HotSetPolicy()
+    policy.lora_guard_configure({"max_loras": 4, "hot_set_size": 4})
+    slots = tuple(
+        SlotView(i, a, int(a == "a1"), float(i), True, 4 if a == "b2" else 2)
+        for i, a in enumerate(["a1", "a2", "b1", "b2"])
+    )
+    state = EngineState(
+        step=1,
+        now=100.0,
+        host_adapters=("b3",),
+        loading=frozenset(),
+        memory_watermark=0.1,
+        num_waiting=1,
+        num_running=1,
+        slots=slots,
+        heat=heat,
+        tenant_heat={(OWNER[a], a): n for a, n in heat.items()},
+    )
+    request = RequestView("r", "b3", "A", 4, 0, 99.0, 0)
+    load = policy.lora_guard_adapter_load
+    assert isinstance(load(request=request, tier="warm", state=state, parked=False), Defer)
+    # Once a1's request has ended, a1's seat is the one that goes.
+    idle = replace(state, slots=(replace(slots[0], refs=0), *slots[1:]), num_running=0)
+    assert load(request=request, tier="warm", state=idle, parked=False) == Load(0)

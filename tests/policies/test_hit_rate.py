@@ -74,8 +74,8 @@ def test_hot_set_beats_lru_and_nears_the_offline_optimum(
     # Each request is looked up once, when the scheduler first offers it, so Belady over the
     # arrival order bounds both (up to the small reordering batch form does).
     assert max(hot_set, lru) <= optimum + 0.02
-    assert hot_set >= lru + 0.04  # measured 0.598 against 0.542
-    assert hot_set >= 0.8 * optimum  # 0.806 of 0.742
+    assert hot_set >= lru + 0.06  # measured 0.640 against 0.546
+    assert hot_set >= 0.85 * optimum  # 0.862 of 0.742
 
 
 def test_belady_on_a_small_trace() -> None:
