@@ -179,7 +179,7 @@ class Replay:
         self.scale = scale  # demo-model bytes per byte of this model's adapters
         self.writes = _Writes(adapter_mib, self.engine)
         self.engine.hooks.pm.register(self.writes, name="virtual-time-writes")
-        self.engine.adapters.costs.external = True
+        self.engine.costs.external = True
         self.engine.scheduler.reject_when_busy = True  # a server's 429, not an offline wait
         self.peak_kv_blocks = 0
         self.arrivals: list[tuple[str, bool]] = []  # each request's adapter, and if resident
@@ -191,7 +191,7 @@ class Replay:
         self.writes.written.clear()
         outputs = self.engine.step()
         cost_ms = 1.0  # a step that computed nothing
-        meter = self.engine.adapters.costs  # what the engine values pages by: modelled costs
+        meter = self.engine.costs  # what the engine values pages by: the modelled costs
         if stats.steps > steps:
             ran = stats.recent_steps[-1]
             mib = ran.adapter_bytes * self.scale / MIB

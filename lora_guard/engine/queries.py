@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lora_guard.engine.config import EngineConfig
+from lora_guard.engine.cost_meter import CostMeter
 from lora_guard.engine.errors import UnknownAdapterError
 from lora_guard.engine.lora.checkpoint import LoRAAdapter, read_adapter
 from lora_guard.engine.lora.tiers import Need
@@ -113,6 +114,12 @@ class EngineQueries:
     def step_bytes(self) -> int:
         """Bytes of base weights one step reads."""
         return self.runner.model.step_bytes()
+
+    @property
+    def costs(self) -> CostMeter:
+        """What the engine's steps say a page costs to bring back (a replay on a modelled clock
+        feeds it the modelled costs instead: ``costs.external``)."""
+        return self.scheduler.adapters.costs
 
     def adapter_pages(self, adapter_ids: list[str]) -> dict[str, int]:
         """Pool pages each of ``adapter_ids`` takes (resident, or once in host memory)."""

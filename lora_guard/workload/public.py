@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from lora_guard.workload.trace import TraceError, TraceRequest, WorkloadSpec, _words, mean_rate
+from lora_guard.workload.spec import TraceError, TraceRequest, WorkloadSpec, _words, mean_rate
 
 DATA = Path(__file__).resolve().with_name("public_data")
 PROMPT_SCALE = 0.125  # prompt words per context token of the Azure trace
