@@ -1,7 +1,7 @@
 """More adapters in use than seats, through the server with the default policies: a short request
 for a seventh adapter ends before any of six long requests on six others, since the adapters
-take turns in the two seats at the residency quantum instead of the short one waiting for whole
-long requests; how long the policies held each request back is on /metrics."""
+take turns in the two seats at the residency quantum (10 ms here) instead of the short one
+waiting for whole long requests; how long the policies held each request back is on /metrics."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import httpx
 from lora_guard.demo.adapters import make_adapters
 from lora_guard.demo.testing import metric_samples, start_server
 
-LONG_TOKENS = 400
-QUANTUM_MS = 50
+LONG_TOKENS = 480
+QUANTUM_MS = 10
 
 
 def test_a_short_request_for_a_seventh_adapter_ends_before_the_long_ones(
@@ -34,16 +34,20 @@ def test_a_short_request_for_a_seventh_adapter_ends_before_the_long_ones(
         log=tmp_path / "server.log",
     )
     ended: dict[str, float] = {}
+    first_token = {f"long-{i}": threading.Event() for i in range(6)}
     errors: list[BaseException] = []
 
     def send(name: str, adapter: str, tokens: int) -> None:
+        body = {
+            "inputs": f"Request {name}:",
+            "parameters": {"max_new_tokens": tokens, "adapter_id": adapter},
+        }
         try:
-            body = {
-                "inputs": f"Request {name}:",
-                "parameters": {"max_new_tokens": tokens, "adapter_id": adapter},
-            }
-            reply = httpx.post(server.url + "/generate", json=body, timeout=300)
-            reply.raise_for_status()
+            with httpx.stream("POST", server.url + "/generate_stream", json=body, timeout=300) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if line.startswith("data:") and name in first_token:
+                        first_token[name].set()
             ended[name] = time.monotonic()
         except BaseException as exc:
             errors.append(exc)
@@ -56,7 +60,8 @@ def test_a_short_request_for_a_seventh_adapter_ends_before_the_long_ones(
         ]
         for thread in threads:
             thread.start()
-        time.sleep(0.5)
+        # every long request is running (the six adapters already take turns in two seats)
+        assert all(event.wait(120) for event in first_token.values()), errors
         short = threading.Thread(target=send, args=("short", names[6], 4))
         short.start()
         for thread in [*threads, short]:
