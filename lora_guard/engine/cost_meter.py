@@ -2,8 +2,8 @@
 
 Two lines fitted as the engine runs, by least squares with old samples fading (each new one
 weighs as much as the last ``1 / (1 - DECAY)`` together): a step's milliseconds on its
-sequences and prefilled tokens (so a prompt token's cost is the slope), and an adapter's write
-into the pool on its pages (and its read from disk, the same way). Until a line has seen both
+prefilled tokens (so a prompt token's cost is the slope), an adapter's write into the pool on
+its pages, and its read from disk on its pages. Until a line has seen both
 ends of its range, the prior (the demo model's costs on a CPU, ``simulate_costs.Costs``) stands
 in. A GPU deployment and a CPU one thus value a cached block against an adapter each by its own
 costs. A replay on a modelled clock (``bench.virtual_time``) feeds the modelled costs instead

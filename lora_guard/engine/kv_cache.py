@@ -194,17 +194,19 @@ class BlockManager:
                         table[i] = dst
             self.reserved.add(page)
             moves.append((page, dst))
+        kept = False
         for page in idle:
             if self._empty:
                 dst, _ = self._empty.popitem(last=False)
                 self._move(page, dst)
                 self._idle[dst] = None
                 moves.append((page, dst))
+                kept = True
             else:
                 self._forget(page)
-        for page in [*in_use, *idle]:
-            self._idle.pop(page, None)
-        self._idle = OrderedDict(sorted(self._idle.items(), key=lambda i: self._last_used(i[0])))
+        if kept:  # the moved blocks back in their places, least recently used first
+            order = sorted(self._idle, key=lambda b: self.blocks[b].last_used)
+            self._idle = OrderedDict.fromkeys(order)
         return moves
 
     def _move(self, page: int, dst: int) -> None:
@@ -216,9 +218,6 @@ class BlockManager:
         if old.key is not None and self.cached.get(old.key) == page:
             self.cached[old.key] = dst
         self.blocks[page] = Block(page)
-
-    def _last_used(self, block_id: int) -> float:
-        return self.blocks[block_id].last_used
 
     def release_pages(self, pages: Iterable[int]) -> None:
         """Give pages that held adapter weights back to the KV."""
@@ -275,7 +274,11 @@ class BlockManager:
     ) -> bool:
         """Whether ``seq`` (holding no blocks yet) can start, computing up to ``max_new_tokens``
         tokens past its cached prefix in this step."""
-        needed, hits = self.allocation(seq, max_new_tokens, may_reuse)
+        return self.fits(*self.allocation(seq, max_new_tokens, may_reuse))
+
+    def fits(self, needed: int, hits: list[int]) -> bool:
+        """Whether ``needed`` new pages are free beside the cached blocks ``hits`` a request
+        takes back (``allocation``'s answer)."""
         reclaimable = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         return self.num_free_blocks - reclaimable >= needed
 

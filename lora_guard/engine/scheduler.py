@@ -373,11 +373,11 @@ class Scheduler:
             self.bind_cache(seq, content_hash)
             pages, reused = self.blocks.allocation(seq, budget, self.may_reuse)
             self.adapters.make_room(pages, keep=entry, protect=reused)
-            while not self.blocks.can_allocate(seq, budget, self.may_reuse):
+            while not self.blocks.fits(pages, reused):
                 if not self.adapters.evict_for_kv(keep=entry):
                     break
                 self._state = None
-            if not self.blocks.can_allocate(seq, budget, self.may_reuse):
+            if not self.blocks.fits(pages, reused):
                 break
             seq.adapter_hash = content_hash
             self._admit(out, seq, budget, entry)

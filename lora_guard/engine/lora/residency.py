@@ -320,12 +320,15 @@ class ResidencyManager(Residency):
                 if self._blank(victims) >= layout.num_pages:
                     break
                 victims.append(extra)
-            idle = sum(c.pages for c in self._candidates(now, victims) if c.kind == ADAPTER)
+            idle = sum(c.pages for c in self._idle_adapters(now, victims))
             cached = 0 if self.partitioned else len(self.blocks.idle_cached())
             if self._blank(victims) + cached + idle < layout.num_pages:
                 self.short_of_pages = True
                 return None  # the pool is full of KV in use: wait for requests to finish
         thrash = not parked and self.load_evicts(need)  # before the pool changes
+        read_ms = self._read_ms.get(adapter_id)  # read from disk for this load
+        if read_ms is not None and not self.costs.external:
+            self.costs.read(layout.num_pages, read_ms)
         started = time.perf_counter()
         for victim in victims:
             self.evict(victim)
@@ -379,8 +382,10 @@ class ResidencyManager(Residency):
         (``plugins.eviction.kv_order``), other than ``keep``; False when there is none. KV in use
         outranks the quantum: the requests that need the adapter wait for it, parked or
         queued."""
+        if self.partitioned:
+            return False  # the adapters' pages are theirs alone
         order = kv_order(v for v in self.resident_views() if v.resident is not keep)
-        if not order or self.partitioned:
+        if not order:
             return False
         self.evict(order[0])
         return True
@@ -410,10 +415,11 @@ class ResidencyManager(Residency):
         if short <= 0:
             return
         now = self.clock()
-        candidates = self._candidates(now, exclude, protect)
-        if self.partitioned:  # each kind gives pages only to its own
-            kind = ADAPTER if purpose == "adapter" else PREFIX
-            candidates = [c for c in candidates if c.kind == kind]
+        candidates: list[Candidate] = []
+        if purpose == "adapter" or not self.partitioned:  # each kind gives pages to its own
+            candidates += self._idle_adapters(now, exclude)
+        if purpose == "kv" or not self.partitioned:
+            candidates += self._idle_blocks(now, protect)
         events = self.events
         order = None
         if events is not None and events.has("lora_guard_cache_evict"):
@@ -429,20 +435,18 @@ class ResidencyManager(Residency):
                 if entry is not None:
                     self.evict(entry)
 
-    def _candidates(
-        self, now: float, exclude: Iterable[Resident] = (), protect: Iterable[int] = ()
-    ) -> list[Candidate]:
-        """What may give pages back now: cached blocks no request holds (but ``protect``), and
-        adapters that may leave that no request needs (but ``exclude``)."""
-        costs, heat, skip = self.costs, self.usage.heat(now), set(map(id, exclude))
-        out = [
+    def _idle_adapters(self, now: float, exclude: Iterable[Resident] = ()) -> list[Candidate]:
+        """Adapters that may leave now and that no request needs (but ``exclude``), as
+        candidates."""
+        heat, skip = self.usage.heat(now), set(map(id, exclude))
+        return [
             Candidate(
                 ADAPTER,
                 entry.seat,
                 entry.num_pages,
                 entry.last_used,
                 heat.get(entry.adapter_id, 0),
-                costs.adapter_ms(entry.num_pages, entry.adapter_id in self.host.entries),
+                self.costs.adapter_ms(entry.num_pages, entry.adapter_id in self.host.entries),
                 entry.adapter_id,
                 0,
                 entry.loaded_at,
@@ -450,7 +454,11 @@ class ResidencyManager(Residency):
             for entry in eviction_order(self.resident_views(), now, self.quantum_s)
             if id(entry) not in skip and (entry.stale or not self.demand[entry.adapter_id])
         ]
-        prefill_ms = costs.prefill_ms(self.blocks.block_size)
+
+    def _idle_blocks(self, now: float, protect: Iterable[int] = ()) -> list[Candidate]:
+        """Cached blocks no request holds (but ``protect``), as candidates."""
+        heat, prefill_ms = self.usage.heat(now), self.costs.prefill_ms(self.blocks.block_size)
+        out = []
         for block in self.blocks.idle_cached(set(protect)):
             adapter = block.scope.adapter_id if block.scope is not None else None
             out.append(
