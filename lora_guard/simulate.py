@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from lora_guard.cost_profiles import PROFILES, profile, profiles_help
 from lora_guard.plugins.eviction import ResidentView, eviction_order
 from lora_guard.routing import AffinityRanker, ReplicaView
 from lora_guard.simulate_costs import Costs, read_costs
@@ -586,16 +587,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--routers", default=",".join(ROUTERS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--costs",
-        type=Path,
-        help="costs JSON written by --calibrate (default: the demo model's, docs/simulate.md)",
+        "--profile",
+        choices=PROFILES,
+        default="cpu-demo",
+        help=f"the costs of a model on a device (docs/simulate.md): {profiles_help()}",
+    )
+    parser.add_argument(
+        "--costs", type=Path, help="costs JSON written by --calibrate, over the profile's"
     )
     parser.add_argument(
         "--step-log",
         type=Path,
         metavar="FILE",
         help="fit the step and write costs to a step log (lora-guard serve "
-        "--step-log FILE), over --costs or the defaults",
+        "--step-log FILE), over --costs or the profile's",
     )
     parser.add_argument(
         "--calibrate",
@@ -624,7 +629,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         device, dtype = engine_names(args.device, args.dtype)
         model = Path(args.model) if args.model is not None else None
         return calibrate_command(args.calibrate, model, args.adapter_dir, device, dtype)
-    costs = read_costs(args.costs) if args.costs else DEFAULT_COSTS
+    costs = read_costs(args.costs) if args.costs else profile(args.profile).costs
     if args.step_log is not None:
         costs = _fitted(costs, args.step_log)
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]

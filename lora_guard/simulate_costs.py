@@ -46,6 +46,7 @@ class Costs:
     step_ms: float = 33.4
     step_per_seq_ms: float = 2.41
     step_per_adapter_mib_ms: float = 0.0635
+    step_lora_ms: float = 0.0  # a step that reads any adapter (kernel launches); the fit's 0
     prefill_per_token_ms: float = 1.59
     read_ms: float = -4.97  # an adapter's folder into host memory, on the loader thread
     read_per_mib_ms: float = 2.73
@@ -62,6 +63,7 @@ class Costs:
         mib = self.adapter_mib * num_adapters if mib is None else mib
         return (
             self.step_ms
+            + self.step_lora_ms * (num_adapters > 0)
             + self.step_per_seq_ms * num_seqs
             + self.step_per_adapter_mib_ms * mib
             + self.prefill_per_token_ms * prefill_tokens
@@ -145,6 +147,7 @@ def with_step_fit(costs: Costs, fit: Fit, source: str) -> Costs:
         step_ms=fixed,
         step_per_seq_ms=per_seq,
         step_per_adapter_mib_ms=per_mib,
+        step_lora_ms=0.0,  # the fitted line's fixed part holds it
         prefill_per_token_ms=per_token,
         source=source,
     )

@@ -5,16 +5,18 @@ A wall-clock replay on a shared machine measures the machine as much as the poli
 engine (scheduler, residency, cache pool, policies, a tiny model's forward) runs every step as fast
 as it can, and the engine's clock (the ``clock`` it is given, which every policy, the heat and
 load windows and the residency quantum read) advances by what that step would cost on the demo
-model: the simulator's calibrated costs (``simulate_costs.Costs``: a fixed part, a part per
-sequence, per MiB of adapter weights the batch reads and per prompt token, plus each adapter
-written into the pool, per MiB). Adapter bytes are counted as the same adapter (rank, targets)
-would take on the demo model. A read from disk lands at the next step. A request a policy turns
+model: a cost profile's (``--profile``, ``cost_profiles``: a fixed part, a part per sequence,
+per MiB of adapter weights the batch reads and per prompt token, plus each adapter written into
+the pool, per MiB). The tiny model has the profile model's proportions, scaled down, so an
+adapter's pages and a token's KV keep the real model's ratio; bytes are counted as the same
+adapter (rank, targets) or KV takes on the profile's model. A read from disk lands at the next
+step. A request a policy turns
 away (429) is sent again after its retry-after, as a client would. Arrivals are replayed on that
 clock, at ``--load`` of the capacity measured the same way (the bench's capacity run, on the base
-model). The same command gives the same figures on any
-machine, busy or not; what it cannot show is a real cost the model leaves out.
+model). The same command gives the same figures on any machine, busy or not; what it cannot
+show is a real cost the model leaves out.
 
-    python -m lora_guard.bench.virtual_time --scenario pressure --seeds 0,1,2 --json out.json
+    python -m lora_guard.bench.virtual_time --scenario pressure --profile a10-7b --seeds 0,1,2
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from lora_guard.bench.capacity import CAPACITY_BATCH, Capacity, arrival_rate, ca
 from lora_guard.bench.replay import Bind, BindRecorder, RequestRecord
 from lora_guard.bench.report import decode_tokens_per_s, request_tokens_per_s
 from lora_guard.config import add_engine_flags
+from lora_guard.cost_profiles import PROFILES, Profile, profile, profiles_help
 from lora_guard.plugins import hookimpl
 from lora_guard.simulate_costs import MIB, Costs, read_costs
 from lora_guard.workload.bounds import compulsory_hit_bound
@@ -72,8 +75,6 @@ IDLE_S = 100.0  # virtual seconds between the warm-up and the replay: the warm-u
 PRESSURE_RANKS = (8, 16, 32, 64)  # with targets alternating: 21x in bytes from least to most
 PRESSURE_FACTOR = 3.0  # adapters in use over a minute / the room beside the KV the load needs
 WINDOW_S = 60.0
-#: SmolLM2-135M (the demo model the costs were measured on): hidden, intermediate, layers, k/v width
-DEMO_SHAPE = (576, 1536, 30, 192)
 
 
 class VirtualClock:
@@ -84,23 +85,6 @@ class VirtualClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def lora_bytes_per_rank(hidden: int, intermediate: int, layers: int, kv_width: int) -> int:
-    """Float32 bytes of one rank of a LoRA on every projection of a Llama model."""
-    attention = 2 * (hidden + hidden) + 2 * (hidden + kv_width)
-    return (attention + 3 * (hidden + intermediate)) * layers * 4
-
-
-def demo_scale(model: Path) -> float:
-    """Bytes of an adapter on the demo model per byte of the same adapter on ``model``."""
-    config = json.loads((model / "config.json").read_text())
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    kv_width = config.get("num_key_value_heads", heads) * hidden // heads
-    here = lora_bytes_per_rank(
-        hidden, config["intermediate_size"], config["num_hidden_layers"], kv_width
-    )
-    return lora_bytes_per_rank(*DEMO_SHAPE) / here
 
 
 @dataclass
@@ -152,11 +136,12 @@ class Result:
 
 
 class _Writes:
-    """Observes the adapters written into the pool (demo-model MiB each), for the step's cost."""
+    """Observes the adapters written into the pool (MiB on the profile's model), for the step's
+    cost."""
 
     def __init__(self, mib: dict[str, float], engine: Any) -> None:
         self.mib, self.engine = mib, engine
-        self.written: list[tuple[int, float]] = []  # pages in this pool, MiB on the demo model
+        self.written: list[tuple[int, float]] = []  # pages in this pool, MiB on the profile's
 
     @hookimpl
     def lora_guard_adapter_loaded(self, adapter_id: str) -> None:
@@ -176,7 +161,7 @@ class Replay:
         scale: float,
     ) -> None:
         self.llm, self.engine, self.clock, self.costs = llm, llm.engine, clock, costs
-        self.scale = scale  # demo-model bytes per byte of this model's adapters
+        self.scale = scale  # bytes on the profile's model per byte on this one
         self.writes = _Writes(adapter_mib, self.engine)
         self.engine.hooks.pm.register(self.writes, name="virtual-time-writes")
         self.engine.costs.external = True
@@ -270,17 +255,19 @@ def warm_up(replay: Replay, adapter_ids: Sequence[str]) -> None:
 
 @dataclass
 class Bench:
-    """What every replay of a study shares: the model, its adapters, their sizes, the costs."""
+    """What every replay of a study shares: the model, its adapters, their sizes, the costs.
+    Bytes are this model's; ``scale`` turns them into the profile model's."""
 
     model: Path
     adapter_dir: Path
     adapter_ids: list[str]
-    costs: Costs
+    profile: Profile
+    costs: Costs  # the profile's, or a calibration's (--costs)
     max_loras: int = 0
     scale: float = 1.0
     adapter_bytes: dict[str, int] = field(default_factory=dict)  # files, on this model
 
-    def demo_mib(self) -> dict[str, float]:
+    def profile_mib(self) -> dict[str, float]:
         return {a: b * self.scale / MIB for a, b in self.adapter_bytes.items()}
 
     def llm(
@@ -320,7 +307,7 @@ class Bench:
         return int((max(pages) if largest else sum(pages)) * page_bytes)
 
     def replay(self, llm: Any, clock: VirtualClock) -> Replay:
-        return Replay(llm, clock, self.costs, self.demo_mib(), self.scale)
+        return Replay(llm, clock, self.costs, self.profile_mib(), self.scale)
 
 
 def capacity(bench: Bench, spec: WorkloadSpec) -> Capacity:
@@ -357,7 +344,9 @@ def run_seated(
     p95 = {n: r.figures()["ttft_p95_ms"] or float("inf") for n, r in tried.items()}
     best = min(p95, key=p95.__getitem__)
     result = tried[best]
-    result.seats = {n: {"ttft_p95_ms": p95[n], "seats_mib": n * largest / MIB} for n in tried}
+    result.seats = {
+        n: {"ttft_p95_ms": p95[n], "seats_mib": n * largest * bench.scale / MIB} for n in tried
+    }
     result.best_seats = best
     return result
 
@@ -433,6 +422,7 @@ class Pressure:
     kv_bytes: int
     window_bytes_p10: int
     window_bytes_p50: int
+    scale: float = 1.0  # bytes on the profile's model per byte here, for the summary
 
     @property
     def cache_memory(self) -> int:
@@ -441,9 +431,9 @@ class Pressure:
     def summary(self) -> dict[str, Any]:
         room = max(self.cache_memory - self.kv_bytes, 1)
         return {
-            "kv_mib": self.kv_bytes / MIB,
-            "adapter_room_mib": room / MIB,
-            "cache_memory_mib": self.cache_memory / MIB,
+            "kv_mib": self.kv_bytes * self.scale / MIB,
+            "adapter_room_mib": room * self.scale / MIB,
+            "cache_memory_mib": self.cache_memory * self.scale / MIB,
             "in_use_per_minute_over_room_p10": self.window_bytes_p10 / room,
             "in_use_per_minute_over_room_p50": self.window_bytes_p50 / room,
         }
@@ -467,8 +457,8 @@ def study(
     cache_memory: int | None = None,
 ) -> SeedRun:
     """Every scheme on one trace (``trace``, or one drawn from ``spec`` at ``load`` of the
-    capacity). The pool is ``cache_memory``, or for ``pressure`` sized by :class:`Pressure`
-    (64 MiB otherwise)."""
+    capacity). The pool is ``cache_memory`` (bytes of the profile's model), or for ``pressure``
+    and ``public`` sized by :class:`Pressure`, else the profile's memory for KV and adapters."""
     rate = None
     if trace is None:
         rate = arrival_rate(spec, load, capacity(bench, spec))
@@ -479,10 +469,14 @@ def study(
         _, kv_bytes = run_scheme(bench, "lru", trace, 64 * MIB)
         windows = window_bytes(trace, bench.adapter_bytes)
         pressure = Pressure(
-            kv_bytes, int(percentile(windows, 10) or 0), int(percentile(windows, 50) or 0)
+            kv_bytes,
+            int(percentile(windows, 10) or 0),
+            int(percentile(windows, 50) or 0),
+            bench.scale,
         )
-        cache_memory = pressure.cache_memory
-    pool = cache_memory or 64 * MIB
+        pool = pressure.cache_memory
+    else:
+        pool = int((cache_memory or bench.profile.memory_bytes) / bench.scale)
     for scheme in schemes:
         if scheme not in results:
             results[scheme] = _run(bench, scheme, trace, pool)
@@ -611,8 +605,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser,
         ["max_loras", "cache_memory"],
         shown={
-            "cache_memory": "64MiB; "
-            "pressure: sized so the adapters in use over a minute take 3x the room "
+            "cache_memory": "the profile's memory for KV and adapters, in its model's bytes; "
+            "pressure and public: sized so the adapters in use over a minute take 3x the room "
             "beside the KV the load needs"
         },
     )
@@ -623,7 +617,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--tenants", type=int, help="tenants (default 6; pressure: 8)")
     add("--load", type=float, default=0.7, help="share of the capacity")
     add("--output-mean", type=float, default=64.0)
-    add("--costs", type=Path, help="costs JSON (simulate --calibrate)")
+    add(
+        "--profile",
+        choices=PROFILES,
+        default="cpu-demo",
+        help=f"the model's shape, memory and costs (docs/simulate.md): {profiles_help()}",
+    )
+    add("--costs", type=Path, help="costs JSON (simulate --calibrate), over the profile's")
     add("--json", type=Path, help="write the figures here")
     add("--jobs", type=int, default=1, help="seeds replayed at once, each in its own process")
     args = parser.parse_args(argv)
@@ -634,9 +634,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = _seeds(parser, args)
     cache_memory = args.cache_memory  # bytes, or None
     spec = _spec(args)
-    costs = read_costs(args.costs) if args.costs else Costs()
+    chosen = profile(args.profile)
+    costs = read_costs(args.costs) if args.costs else chosen.costs
     with tempfile.TemporaryDirectory() as tmp:
-        bench = _make_bench(Path(tmp), spec, args, costs)
+        bench = _make_bench(Path(tmp), spec, args, chosen, costs)
         trace = read_trace(args.trace) if args.trace else None
         specs = [replace(spec, seed=seed) for seed in (seeds if trace is None else [seeds[0]])]
         work = partial(
@@ -656,6 +657,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "requests": spec.requests,
         "max_loras": args.max_loras,
         "load": args.load,
+        "profile": chosen.name,
+        "model": chosen.shape.model,
+        "bytes_scale": bench.scale,
         "costs": costs.source,
         **out,
     }
@@ -663,7 +667,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"virtual time: {out['scenario']}, seeds {out['seeds']}, {spec.requests} requests a "
         f"seed, load {args.load} (rate {rates or 'from the trace'} outside bursts), "
-        f"max_loras {args.max_loras}; costs: {costs.source}"
+        f"max_loras {args.max_loras}; profile {chosen.name} ({chosen.shape.model}, bytes "
+        f"{bench.scale:g}x the tiny model's); costs: {costs.source}"
     )
     for run in runs:
         if run.pressure:
@@ -732,13 +737,17 @@ def _spec(args: argparse.Namespace) -> WorkloadSpec:
     return replace(spec, **given)
 
 
-def _make_bench(tmp: Path, spec: WorkloadSpec, args: argparse.Namespace, costs: Costs) -> Bench:
-    """A tiny model and the study's adapters: mixed ranks and targets for ``pressure``,
-    ``public`` and a trace, ranks 4-16 on every projection otherwise."""
+def _make_bench(
+    tmp: Path, spec: WorkloadSpec, args: argparse.Namespace, chosen: Profile, costs: Costs
+) -> Bench:
+    """A tiny model of the profile's proportions and the study's adapters: mixed ranks and
+    targets for ``pressure``, ``public`` and a trace, ranks 4-16 on every projection otherwise."""
     from lora_guard.demo.adapters import make_adapters, named_specs, write_adapters
     from lora_guard.demo.testing import make_tiny_llama
 
-    model = make_tiny_llama(tmp / "model", max_position_embeddings=4096)
+    model = make_tiny_llama(
+        tmp / "model", max_position_embeddings=4096, **chosen.shape.tiny_config()
+    )
     out = tmp / "adapters"
     if args.trace:
         folders = write_adapters(model, out, named_specs(trace_ranks(args.trace)), strength=0.5)
@@ -750,10 +759,24 @@ def _make_bench(tmp: Path, spec: WorkloadSpec, args: argparse.Namespace, costs: 
         folders = make_adapters(
             model, out, n=spec.adapters, ranks=(4, 8, 16), prefix="demo", all_projections=True
         )
-    sizes = {f.name: sum(p.stat().st_size for p in f.glob("*.safetensors")) for f in folders}
-    return Bench(
-        model, out, [f.name for f in folders], costs, args.max_loras, demo_scale(model), sizes
-    )
+    sizes = {f.name: weight_bytes(f) for f in folders}
+    ids = [f.name for f in folders]
+    return Bench(model, out, ids, chosen, costs, args.max_loras, chosen.shape.scale(model), sizes)
+
+
+def weight_bytes(folder: Path) -> int:
+    """The tensor bytes of an adapter's safetensors files (their headers left out)."""
+    total = 0
+    for path in folder.glob("*.safetensors"):
+        with path.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        total += sum(
+            end - start
+            for k, v in header.items()
+            if k != "__metadata__"
+            for start, end in [v["data_offsets"]]
+        )
+    return total
 
 
 def _cell(value: Any) -> str:
