@@ -13,6 +13,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from lora_guard.simulate_costs import MIB, Costs
 
@@ -79,7 +80,7 @@ class Shape:
             TINY_DTYPE_BYTES,
         )
 
-    def tiny_config(self) -> dict[str, int]:
+    def tiny_config(self) -> dict[str, Any]:
         """``make_tiny_llama``'s keywords for :meth:`tiny`."""
         tiny = self.tiny()
         return {
