@@ -8,7 +8,8 @@ makes the engine rotate them step by step (parking requests, loading again what 
 evicted): the thrash of the regime where adapters outnumber memory. So batch form offers a
 waiting request, first come first served, when its adapter is resident or running already, or
 when its pages fit in the pool beside the adapters the running batch uses and the KV that batch
-will hold at its longest (the working set); a request whose adapter's pages do not fit waits,
+holds with its next tokens (the working set; pages not yet needed are not reserved, as in vLLM's
+scheduler); a request whose adapter's pages do not fit waits,
 and the ones behind it may go: a request whose adapter cannot be seated never holds back one
 whose adapter is resident, and one whose adapter is still being read from disk holds nobody's
 place. When only the seats (``max_loras``) are full, the request is offered all the same and
@@ -16,11 +17,12 @@ its adapter takes its turn: once a seat's residency quantum is over, the adapter
 requests use least valuably leaves for it (they wait, parked, with their KV), as time slices
 do, so a short request for a new adapter never waits for whole long requests of others. A
 tenant running more than twice its share of the batch (running requests over active tenants)
-waits while other tenants have requests. A request that has waited ``max_adapter_wait_s`` goes
-ahead of all, and no request for an adapter outside the working set is admitted before it; when
-its adapter cannot be seated, the running adapter it would displace first takes no new requests
-until its running ones end (it drains), so the wait stays bounded even where running requests
-cannot be parked (inside vLLM).
+goes after every other tenant's requests, and then only while it leaves the pages and the batch
+place of one request for each other tenant with recent traffic. A request that has waited
+``max_adapter_wait_s`` goes ahead of all, and no request for an adapter outside the working set
+is admitted before it; when its adapter cannot be seated, the running adapter it would displace
+first takes no new requests until its running ones end (it drains), so the wait stays bounded
+even where running requests cannot be parked (inside vLLM).
 
 Heat is the number of requests per adapter over a sliding window (the engine's, ``heat_window_s``).
 To make room, adapters no running request uses leave first, the least heat per page first (a
@@ -66,6 +68,7 @@ class HotSetPolicy:
         self.hot_set_size: int | None = 4  # None: every adapter with heat
         self.seats = 8  # 0: no seat cap
         self.max_loras_per_batch = 0
+        self.max_num_seqs = 0  # the engine's, read at configure
         self.max_wait_s = 8.0
         self.heat_window_s = 60.0
 
@@ -103,6 +106,7 @@ class HotSetPolicy:
         else:
             self.hot_set_size = max(self.seats - 1, 0) if self.seats else None
         self.max_loras_per_batch = int(config.get("max_loras_per_batch", 0))
+        self.max_num_seqs = int(config.get("max_num_seqs", 0))
         self.max_wait_s = float(config.get("max_adapter_wait_s", 8.0))
         self.heat_window_s = float(config.get("heat_window_s", 60.0))
         if (self.hot_set_size or 0) < 0 or self.max_loras_per_batch < 0 or self.max_wait_s <= 0:
@@ -231,13 +235,19 @@ class HotSetPolicy:
         chosen: list[str] = []
         blocked = False  # an aged request's adapter does not fit yet: no other adapter joins
         draining: set[str] = set()  # adapters whose new requests wait until their seat is free
-        for group in (aged, fresh):
+        later: list[RequestView] = []  # flooding tenants' requests, after everyone else's
+        for group in (aged, fresh, later):
             for r in group:
-                if flooding(r.tenant_id) or r.adapter_id in draining:
-                    continue  # its turn comes when its running requests drop to its share
+                if r.adapter_id in draining:
+                    continue  # its turn comes when its adapter's seat is free
+                if group is not later and flooding(r.tenant_id):
+                    later.append(r)
+                    continue
                 need = self.kv_pages(r, state)
+                if group is later and not self.leaves_room(r, need, room, running, chosen, state):
+                    continue
                 if need > room and (chosen or running):
-                    continue  # its KV at its longest would squeeze the working set's adapters
+                    continue  # its KV would squeeze the working set's adapters
                 adapter = r.adapter_id
                 if (
                     adapter is not None
@@ -300,10 +310,26 @@ class HotSetPolicy:
         cold = adapter not in state.host_adapters and state.reads_in_background
         return adapter in state.loading or cold
 
+    def leaves_room(
+        self,
+        request: RequestView,
+        need: int,
+        room: int,
+        running: Sequence[RequestView],
+        chosen: list[str],
+        state: EngineState,
+    ) -> bool:
+        """Whether a flooding tenant's ``request`` leaves the pages and the batch place of one
+        such request for every other tenant with traffic in the heat window."""
+        others = len({t for t, _ in state.tenant_heat} - {request.tenant_id})
+        busy = len(running) + len(chosen) + 1 + others
+        return need * (1 + others) <= room and not (self.max_num_seqs and busy > self.max_num_seqs)
+
     @staticmethod
     def kv_pages(request: RequestView, state: EngineState) -> int:
-        """The KV pages ``request`` holds at its longest."""
-        tokens = request.num_prompt_tokens + request.max_new_tokens
+        """The KV pages ``request`` holds with its next token (what it needs now: a page not
+        yet needed is not reserved, as vLLM's scheduler does)."""
+        tokens = request.num_prompt_tokens + request.num_output_tokens + 1
         return -(-tokens // max(state.block_size, 1))
 
 
