@@ -147,6 +147,7 @@ CPU_DEMO = Profile(
     Costs(),
     {
         "costs": "lora-guard simulate --calibrate docs/simulate-costs.json (docs/simulate.md)",
+        "step_lora_ms": "0: the calibration's fitted fixed part holds it",
         "memory": "about what lora-guard serve takes without --cache-memory (a quarter of free "
         "memory) on a host with 32 GiB free",
     },
@@ -250,3 +251,55 @@ def profile(name: str) -> Profile:
 
 def profiles_help() -> str:
     return "; ".join(p.describe() for p in PROFILES.values())
+
+
+#: each cost as the docs name it, with its unit
+COST_ROWS = (
+    ("step_ms", "step, fixed", "ms"),
+    ("step_per_seq_ms", "step, per sequence", "ms"),
+    ("step_per_adapter_mib_ms", "step, per MiB of adapter weights read", "ms"),
+    ("step_lora_ms", "step, when it reads any adapter", "ms"),
+    ("prefill_per_token_ms", "step, per prefill token", "ms"),
+    ("read_ms", "read from disk, fixed", "ms"),
+    ("read_per_mib_ms", "read from disk, per MiB", "ms"),
+    ("write_ms", "copy into the pool, fixed", "ms"),
+    ("write_per_mib_ms", "copy into the pool, per MiB", "ms"),
+)
+
+
+BEGIN, END = "<!-- profiles: begin -->", "<!-- profiles: end -->"
+
+
+def profiles_markdown() -> str:
+    """The profiles as docs/simulate.md shows them (``python -m lora_guard.cost_profiles``)."""
+    out = [BEGIN, ""]
+    for p in PROFILES.values():
+        shape = p.shape
+        out += [
+            f"### `{p.name}`: {p.summary}",
+            "",
+            f"{shape.model} ({shape.layers} layers, hidden {shape.hidden}, intermediate "
+            f"{shape.intermediate}, {shape.heads} heads, {shape.kv_heads} KV heads, "
+            f"{shape.dtype_bytes} bytes a value) on {p.device}: a token's KV "
+            f"{shape.kv_bytes_per_token() / 1024:g} KiB, an adapter of rank 16 on every "
+            f"projection {shape.lora_bytes(16) / MIB:.4g} MiB; virtual time's tiny model is "
+            f"{shape.tiny().hidden} / {shape.tiny().intermediate} / {shape.tiny().kv_width} wide "
+            f"(bytes x{shape.lora_bytes(1) / shape.tiny().lora_bytes(1):g}).",
+            "",
+            "| cost | value | source |",
+            "|---|---:|---|",
+        ]
+        general = p.sources.get("costs", "")
+        for name, label, unit in COST_ROWS:
+            value = getattr(p.costs, name)
+            out.append(f"| {label} | {value:g} {unit} | {p.sources.get(name, general)} |")
+        out.append(
+            f"| memory for KV and adapters | {p.memory_bytes / (1 << 30):g} GiB | "
+            f"{p.sources['memory']} |"
+        )
+        out.append("")
+    return "\n".join([*out, END])
+
+
+if __name__ == "__main__":
+    print(profiles_markdown())

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lora_guard.bench.virtual_time import Bench, VirtualClock, weight_bytes
-from lora_guard.cost_profiles import PROFILES, profile
+from lora_guard.cost_profiles import PROFILES, profile, profiles_markdown
 from lora_guard.demo.adapters import named_specs, write_adapters
 from lora_guard.demo.testing import make_tiny_llama
 from lora_guard.simulate import main as simulate
@@ -76,3 +76,8 @@ def test_simulate_takes_a_profile_and_refuses_an_unknown_one(
     with pytest.raises(SystemExit):
         simulate([*argv, "--profile", "tpu"])
     assert "invalid choice: 'tpu'" in capsys.readouterr().err
+
+
+def test_the_docs_show_the_profiles_as_the_code_has_them() -> None:
+    doc = (Path(__file__).parents[1] / "docs" / "simulate.md").read_text()
+    assert profiles_markdown() in doc, "python -m lora_guard.cost_profiles: paste into the docs"
