@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter, OrderedDict
 from collections.abc import Collection, Sequence
 
 
@@ -55,6 +56,32 @@ def belady_hits(trace: Sequence[object], slots: int, start: Collection[object] =
 def belady_hit_rate(trace: Sequence[object], slots: int, start: Collection[object] = ()) -> float:
     """:func:`belady_hits` as a share of the trace (0.0 for an empty trace)."""
     return belady_hits(trace, slots, start) / len(trace) if trace else 0.0
+
+
+def known_popularity_hit_rate(trace: Sequence[object], slots: int) -> float:
+    """The hit rate of the best policy that knows each adapter's share of the whole trace but
+    not its order: the ``k`` most used adapters kept (each missing once), the other ``slots -
+    k`` seats least recently used for the rest, the best ``k`` below ``slots`` (a request for
+    any adapter must find a seat). What frequency can reach; Belady's order knowledge is above
+    it."""
+    if not trace:
+        return 0.0
+    ranked = [a for a, _ in Counter(trace).most_common()]
+    best = 0
+    for keep in range(slots):
+        kept, rotating, hits = set(ranked[:keep]), OrderedDict[object, None](), -keep
+        for adapter in trace:
+            if adapter in kept:
+                hits += 1
+            elif adapter in rotating:
+                hits += 1
+                rotating.move_to_end(adapter)
+            else:
+                if len(rotating) >= slots - keep:
+                    rotating.popitem(last=False)
+                rotating[adapter] = None
+        best = max(best, hits)
+    return best / len(trace)
 
 
 def compulsory_hit_bound(trace: Sequence[object], start: Collection[object] = ()) -> float:
