@@ -368,7 +368,7 @@ class EngineConfig:
         help="append one JSON line a step to this file (when, "
         "sequences, adapter bytes read, prefill tokens, loads, "
         "seconds): a step log to fit `lora-guard simulate`'s step cost "
-        "to",
+        "to; past 64 MiB it becomes FILE.1 and a new FILE begins",
         check=text,
         metavar="FILE",
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import TextIO
@@ -76,19 +77,43 @@ class EngineStats:
     recent_steps: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
 
 
+STEP_LOG_MAX_BYTES = 64 * 2**20  # then FILE becomes FILE.1 (one kept) and a new FILE begins
+STEP_LOG_CHECK_EVERY = 256  # lines between two looks at the file's size
+
+
 class StepLog:
     """One JSON line a step (``--step-log FILE``), line buffered: each line one append, so
-    replicas may share a file. A failed write stops the log, never the engine."""
+    replicas may share a file. Past ``max_bytes`` the file is renamed ``FILE.1`` (the one
+    before it dropped) and a new one begins; a writer whose file another replica renamed
+    follows to the new one. A failed write stops the log, never the engine."""
 
-    def __init__(self, path: str | None, file: TextIO | None) -> None:
-        self.path, self.file = path, file
+    def __init__(
+        self, path: str | None, file: TextIO | None, max_bytes: int = STEP_LOG_MAX_BYTES
+    ) -> None:
+        self.path, self.file, self.max_bytes = path, file, max_bytes
+        self.lines = 0
 
     @classmethod
-    def open(cls, path: str | None) -> StepLog:
+    def open(cls, path: str | None, max_bytes: int = STEP_LOG_MAX_BYTES) -> StepLog:
         try:
-            return cls(path, open(path, "a", buffering=1) if path else None)
+            return cls(path, open(path, "a", buffering=1) if path else None, max_bytes)
         except OSError as exc:
             raise ConfigError(f"step_log: cannot write {path}: {exc.strerror}") from None
+
+    def _rotate_when_full(self) -> None:
+        assert self.file is not None and self.path is not None
+        mine = os.fstat(self.file.fileno())
+        try:
+            named = os.stat(self.path)
+            renamed = (named.st_ino, named.st_dev) != (mine.st_ino, mine.st_dev)
+        except FileNotFoundError:
+            renamed = True
+        if not renamed and mine.st_size < self.max_bytes:
+            return
+        if not renamed:
+            os.replace(self.path, self.path + ".1")
+        self.file.close()
+        self.file = open(self.path, "a", buffering=1)  # noqa: SIM115 (open for the engine's life)
 
     @property
     def writing(self) -> bool:
@@ -99,6 +124,9 @@ class StepLog:
             return
         try:
             self.file.write(json.dumps(asdict(record)) + "\n")
+            self.lines += 1
+            if self.lines % STEP_LOG_CHECK_EVERY == 0:
+                self._rotate_when_full()
         except OSError as exc:  # a full disk
             log.warning("step log %s stopped: %s", self.path, exc)
             self.file = None

@@ -3,6 +3,9 @@ simulator fits to them."""
 
 from __future__ import annotations
 
+import json
+import logging
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,7 @@ import pytest
 from lora_guard.demo.testing import AdapterFactory
 from lora_guard.engine import LLM, SamplingParams
 from lora_guard.engine.config import ConfigError
-from lora_guard.engine.outputs import StepRecord
+from lora_guard.engine.outputs import STEP_LOG_CHECK_EVERY, StepLog, StepRecord
 from lora_guard.simulate_costs import MIB, Costs, fit_steps, read_step_log, with_step_fit
 
 
@@ -88,3 +91,33 @@ def test_the_step_cost_fitted_to_steps_is_their_line() -> None:
     assert costs.write() == pytest.approx(9.0) and costs.source == "test"
     with pytest.raises(ValueError, match="at least 4"):
         fit_steps(steps[:3])
+
+
+def test_a_full_step_log_is_kept_as_one_older_file_and_a_new_one_begins(tmp_path: Path) -> None:
+    path = tmp_path / "steps.jsonl"
+    record = StepRecord(1, 0.0, 0.03, 2, 1, MIB, 16, 0)
+    line = len(json.dumps(asdict(record))) + 1
+    other = StepLog.open(str(path), max_bytes=10 * line)  # another replica on the same file
+    log = StepLog.open(str(path), max_bytes=10 * line)
+    for _ in range(STEP_LOG_CHECK_EVERY * 3):
+        log.write(record)
+    other.write(record)  # still writes where it opened: the renamed file, until it looks
+    older = path.with_name(path.name + ".1")
+    assert older.exists() and path.stat().st_size < path.with_name(path.name + ".1").stat().st_size
+    assert path.stat().st_size <= STEP_LOG_CHECK_EVERY * line  # rotated, not grown without bound
+    for _ in range(STEP_LOG_CHECK_EVERY - 1):
+        other.write(record)  # its look finds the file renamed: it follows to the new one
+    other.write(record)
+    log.close()
+    other.close()
+    assert read_step_log(path)[-1] == record and read_step_log(older)
+    assert not path.with_name(path.name + ".2").exists()
+
+
+def test_float16_on_a_cpu_is_warned_of(tiny_model: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="lora_guard.engine.builder"):
+        llm = LLM(tiny_model, dtype="float16", kv_cache_memory="4MiB", policies="lru")
+        llm.engine.shutdown()
+        LLM(tiny_model, dtype="bfloat16", kv_cache_memory="4MiB", policies="lru").engine.shutdown()
+    warned = [r.getMessage() for r in caplog.records if "float16 on a CPU" in r.getMessage()]
+    assert len(warned) == 1 and "--dtype bfloat16" in warned[0]
