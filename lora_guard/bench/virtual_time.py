@@ -4,17 +4,17 @@ its policies, on a clock that each step's modelled cost moves.
 A wall-clock replay on a shared machine measures the machine as much as the policies. Here the real
 engine (scheduler, residency, cache pool, policies, a tiny model's forward) runs every step as fast
 as it can, and the engine's clock (the ``clock`` it is given, which every policy, the heat and
-load windows and the residency quantum read) advances by what that step would cost on the demo
-model: a cost profile's (``--profile``, ``cost_profiles``: a fixed part, a part per sequence,
-per MiB of adapter weights the batch reads and per prompt token, plus each adapter written into
-the pool, per MiB). The tiny model has the profile model's proportions, scaled down, so an
-adapter's pages and a token's KV keep the real model's ratio; bytes are counted as the same
-adapter (rank, targets) or KV takes on the profile's model. A read from disk lands at the next
-step. A request a policy turns
-away (429) is sent again after its retry-after, as a client would. Arrivals are replayed on that
-clock, at ``--load`` of the capacity measured the same way (the bench's capacity run, on the base
-model). The same command gives the same figures on any machine, busy or not; what it cannot
-show is a real cost the model leaves out.
+load windows and the residency quantum read) advances by what that step would cost under a cost
+profile (``--profile``, ``cost_profiles``: a fixed part, a part per sequence, per MiB of adapter
+weights the batch reads and per prompt token, plus each adapter written into the pool, per MiB).
+A read from disk runs beside the steps, one at a time as the loader thread reads, and lands once
+its modelled time (fixed + per MiB) has passed on the clock. The tiny model has the profile
+model's proportions, scaled down, so an adapter's pages and a token's KV keep the real model's
+ratio; bytes are counted as the same adapter (rank, targets) or KV takes on the profile's model.
+A request a policy turns away (429) is sent again after its retry-after, as a client would.
+Arrivals are replayed on that clock, at ``--load`` of the capacity measured the same way (the
+bench's capacity run, on the base model). The same command gives the same figures on any machine,
+busy or not; what it cannot show is a real cost the model leaves out.
 
     python -m lora_guard.bench.virtual_time --scenario pressure --profile a10-7b --seeds 0,1,2
 """
@@ -165,6 +165,12 @@ class Replay:
         self.writes = _Writes(adapter_mib, self.engine)
         self.engine.hooks.pm.register(self.writes, name="virtual-time-writes")
         self.engine.costs.external = True
+        from lora_guard.engine.lora.loader import ModelledReads
+
+        loader = self.engine.adapters.loader
+        self.reads = loader.modelled = ModelledReads(
+            clock, lambda adapter: costs.read(adapter_mib.get(adapter, 0.0))
+        )
         self.engine.scheduler.reject_when_busy = True  # a server's 429, not an offline wait
         self.peak_kv_blocks = 0
         self.arrivals: list[tuple[str, bool]] = []  # each request's adapter, and if resident
@@ -175,7 +181,7 @@ class Replay:
         steps = stats.steps
         self.writes.written.clear()
         outputs = self.engine.step()
-        cost_ms = 1.0  # a step that computed nothing
+        cost_ms = 1.0  # a step that computed nothing (the clock then goes to the next read)
         meter = self.engine.costs  # what the engine values pages by: the modelled costs
         if stats.steps > steps:
             ran = stats.recent_steps[-1]
@@ -187,6 +193,9 @@ class Replay:
             meter.write(pages, write_ms)
             cost_ms += write_ms
         self.clock.now += cost_ms / 1000
+        due = self.reads.next_due()
+        if stats.steps == steps and due is not None:
+            self.clock.now = max(self.clock.now, due)  # nothing to run before a read lands
         self.peak_kv_blocks = max(self.peak_kv_blocks, self.engine.figures().kv_blocks_used)
         self.engine.wait_for_reads()
         return list(outputs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -12,6 +13,29 @@ import torch
 from lora_guard.engine.lora.checkpoint import AdapterError, LoRAAdapter, read_adapter
 from lora_guard.engine.spec import ModelSpec
 from lora_guard.engine.threads import serial_thread
+
+
+class ModelledReads:
+    """Reads that land when a modelled clock says (virtual time): one at a time, as the loader
+    thread reads them, each taking ``cost_ms(adapter_id)`` of ``clock``'s time."""
+
+    def __init__(self, clock: Callable[[], float], cost_ms: Callable[[str], float]) -> None:
+        self.clock, self.cost_ms = clock, cost_ms
+        self.due: dict[str, float] = {}
+        self.free_at = 0.0  # when the loader thread finishes the reads queued so far
+
+    def submitted(self, adapter_id: str) -> None:
+        start = max(self.clock(), self.free_at)
+        self.free_at = self.due[adapter_id] = start + self.cost_ms(adapter_id) / 1000
+
+    def landed(self, adapter_id: str) -> bool:
+        if self.clock() < self.due.get(adapter_id, 0.0):
+            return False
+        self.due.pop(adapter_id, None)
+        return True
+
+    def next_due(self) -> float | None:
+        return min(self.due.values(), default=None)
 
 
 class AdapterLoader:
@@ -24,10 +48,13 @@ class AdapterLoader:
         )
         self.pending: dict[str, Future[LoRAAdapter]] = {}
         self.read_ms: dict[str, float] = {}  # how long each finished read took, queue excluded
+        self.modelled: ModelledReads | None = None  # set by a replay on a modelled clock
 
     def submit(self, adapter_id: str, path: Path, root: Path | None = None) -> None:
         if adapter_id not in self.pending:
             self.pending[adapter_id] = self._pool.submit(self._read, adapter_id, path, root)
+            if self.modelled is not None:
+                self.modelled.submitted(adapter_id)
 
     def _read(self, adapter_id: str, path: Path, root: Path | None) -> LoRAAdapter:
         started = time.perf_counter()
@@ -40,7 +67,7 @@ class AdapterLoader:
         """Finished loads since the last call: an adapter, or the error that stopped it."""
         done: list[tuple[str, LoRAAdapter | AdapterError]] = []
         for adapter_id, future in list(self.pending.items()):
-            if future.done():
+            if future.done() and (self.modelled is None or self.modelled.landed(adapter_id)):
                 del self.pending[adapter_id]
                 try:
                     done.append((adapter_id, future.result()))
