@@ -123,6 +123,8 @@ class Profile:
     shape: Shape
     memory_bytes: int  # device memory left for KV and adapters once the weights are in
     costs: Costs
+    weights_bytes: int  # the model's weights on the device
+    device_bytes: int  # the device's memory as the framework sees it
     sources: dict[str, str] = field(default_factory=dict)  # a Costs field (or memory) -> source
 
     def describe(self) -> str:
@@ -145,6 +147,8 @@ CPU_DEMO = Profile(
     SMOLLM2_135M,
     8 << 30,
     Costs(),
+    int(134.5e6 * 4),
+    32 << 30,
     {
         "costs": "lora-guard simulate --calibrate docs/simulate-costs.json (docs/simulate.md)",
         "step_lora_ms": "0: the calibration's fitted fixed part holds it",
@@ -180,6 +184,8 @@ A10_7B = Profile(
         write_ms=3.0,
         write_per_mib_ms=0.054,
     ),
+    int(12.5562 * (1 << 30)),
+    23028 << 20,
     {
         "step_ms": "InternLM/lmdeploy issue 210: Llama-2-7B on one A10, about 27 ms per token at "
         "batch 1 (34 ms with transformers); the weights' roofline is 22.5 ms (13.5 GB at 600 GB/s)",
@@ -219,6 +225,8 @@ H100_8B = Profile(
         write_ms=3.0,
         write_per_mib_ms=0.028,
     ),
+    int(14.9888 * (1 << 30)),
+    81559 << 20,
     {
         "step_ms": "LambdaLabsML/vllm-benchmark, results/prompt_10/1xH100-80GB-SXM, "
         "Meta-Llama-3-8B-Instruct (vLLM 0.6.0): 70-71 ms per 10 tokens with one request left",

@@ -58,7 +58,7 @@ from lora_guard.workload.trace import (
 SCHEMES: dict[str, str | None] = {
     "base": "lru", "lru": "lru", "fifo": "fifo", "drain": "drain", "time-slice": "time-slice",
     "s3-fifo": "s3-fifo", "w-tinylfu": "w-tinylfu", "as-vllm": "lru", "as-sglang": "drain",
-    "lora-guard": None, "all-resident": "lru",
+    "lora-guard": None, "all-resident": "lru", "static": "static", "on-demand": "on-demand",
 }  # fmt: skip
 #: The designs users run, on the same engine and pool: adapter seats with memory of their own
 #: beside the KV (``adapter_memory``: seats x the largest adapter, vLLM's ``--max-loras`` x
@@ -71,6 +71,18 @@ SEATS = (2, 4, 8, 16)
 #: every adapter the trace names pinned in pages added to the pool, so the KV keeps its room: the
 #: latency no residency policy can beat on that pool (loads and adapter waits cost nothing)
 ALL_RESIDENT = "all-resident"
+#: the seed's table (2 A10s, 24 adapters, 180 output tokens on average): peak memory over the
+#: device's, adapter_swap_ms, P95 tokens/s, and the typical problem it names
+SEED_SCHEMES = ("static", "on-demand", "lru", "lora-guard")
+SEED_FIGURES: dict[str, dict[str, Any]] = {
+    scheme: {"peak_memory": peak, "switch_ms": ms, "p95_tokens_per_s": speed, "problem": problem}
+    for scheme, peak, ms, speed, problem in (
+        ("static", 0.78, 8, 44, "inflexible, many instances"),
+        ("on-demand", 0.92, 180, 31, "jitter, cold requests queue"),
+        ("lru", 0.84, 46, 40, "cost and stability balanced"),
+    )
+}
+SEED_OUTPUT_MEAN = 180.0
 IDLE_S = 100.0  # virtual seconds between the warm-up and the replay: the warm-up's heat is gone
 PRESSURE_RANKS = (8, 16, 32, 64)  # with targets alternating: 21x in bytes from least to most
 PRESSURE_FACTOR = 3.0  # adapters in use over a minute / the room beside the KV the load needs
@@ -99,6 +111,8 @@ class Result:
     arrivals: list[tuple[str, bool]] = field(default_factory=list)  # adapter, resident then
     seats: dict[int, dict[str, float]] | None = None  # a seated scheme's sweep, by seat count
     best_seats: int | None = None
+    switch_ms: float | None = None  # modelled reads and writes per adapter loaded
+    peak_used_bytes: int = 0  # the pool's peak of KV in use and adapter pages, profile bytes
 
     def figures(self) -> dict[str, Any]:
         done = [r for r in self.records if r.error is None and r.first_token is not None]
@@ -124,6 +138,8 @@ class Result:
             "cold_fail_ratio": self.rejected / attempts if attempts else 0.0,
             "retries": sum(r.retries for r in self.records),
             "seats": self.best_seats,
+            "switch_ms": self.switch_ms,
+            "peak_pool_mib": self.peak_used_bytes / MIB,
         }
 
     def tenant_ttft_p95(self) -> dict[str, float | None]:
@@ -168,11 +184,13 @@ class Replay:
         from lora_guard.engine.lora.loader import ModelledReads
 
         loader = self.engine.adapters.loader
-        self.reads = loader.modelled = ModelledReads(
-            clock, lambda adapter: costs.read(adapter_mib.get(adapter, 0.0))
-        )
+        self.reads = loader.modelled = ModelledReads(clock, self._read_ms)
+        self.read_ms: list[float] = []  # each read from disk's modelled time
+        self.write_ms: list[float] = []  # each adapter's write into the pool
+        self.adapter_mib = adapter_mib
         self.engine.scheduler.reject_when_busy = True  # a server's 429, not an offline wait
         self.peak_kv_blocks = 0
+        self.peak_used_pages = 0  # KV in use and adapter pages (cached free blocks not counted)
         self.arrivals: list[tuple[str, bool]] = []  # each request's adapter, and if resident
 
     def step(self) -> list[Any]:
@@ -191,14 +209,27 @@ class Replay:
         for pages, mib in self.writes.written:
             write_ms = self.costs.write(mib)
             meter.write(pages, write_ms)
+            self.write_ms.append(write_ms)
             cost_ms += write_ms
         self.clock.now += cost_ms / 1000
         due = self.reads.next_due()
         if stats.steps == steps and due is not None:
             self.clock.now = max(self.clock.now, due)  # nothing to run before a read lands
         self.peak_kv_blocks = max(self.peak_kv_blocks, self.engine.figures().kv_blocks_used)
+        blocks = self.engine.scheduler.blocks
+        used = (
+            blocks.num_blocks
+            - blocks.num_blank_pages
+            - (blocks.num_kv_pages - blocks.num_used_blocks)
+        )
+        self.peak_used_pages = max(self.peak_used_pages, used)
         self.engine.wait_for_reads()
         return list(outputs)
+
+    def _read_ms(self, adapter: str) -> float:
+        ms = self.costs.read(self.adapter_mib.get(adapter, 0.0))
+        self.read_ms.append(ms)
+        return ms
 
     def run(self, trace: Sequence[TraceRequest], adapters: bool) -> tuple[list[RequestRecord], int]:
         """Replay ``trace``; the records, and how many answers were 429s (each sent again)."""
@@ -287,19 +318,24 @@ class Bench:
         max_loras: int,
         pin: Sequence[str] = (),
         adapter_memory: int | None = None,
+        host_adapters: int | None = None,
+        static_adapter: str | None = None,
     ) -> Any:
         from lora_guard.engine import LLM
 
+        settings: dict[str, Any] = {"pin": list(pin)}
+        if static_adapter is not None:
+            settings["static_adapter"] = static_adapter
         return LLM(
             self.model,
             adapter_dir=self.adapter_dir,
-            max_cpu_loras=len(self.adapter_ids),
+            max_cpu_loras=len(self.adapter_ids) if host_adapters is None else host_adapters,
             cache_memory=cache_memory,
             adapter_memory=adapter_memory,
             max_loras=max_loras,
             max_lora_rank=64,
             policies=policies,
-            settings={"pin": list(pin)},
+            settings=settings,
             clock=clock,
         )
 
@@ -373,12 +409,21 @@ def run_scheme(
     pin: Sequence[str] = ()
     if scheme == ALL_RESIDENT:
         pin, cache_memory = asked, cache_memory + bench.pages_bytes(asked)
+    static = asked[0] if scheme == "static" and asked else None
+    if static is not None:
+        # one adapter merged for good: one instance of the many a static design runs, serving
+        # the whole load for its adapter
+        trace = [replace(r, adapter_id=static if r.adapter_id else None) for r in trace]
+        asked = [static]
     clock = VirtualClock()
     max_loras = 0 if scheme in ("base", ALL_RESIDENT) else bench.max_loras
     adapter_memory = None
     if seated is not None:
         max_loras, adapter_memory = seated
-    llm = bench.llm(clock, SCHEMES[scheme], cache_memory, max_loras, pin, adapter_memory)
+    host = 1 if scheme == "on-demand" else None  # every switch reads from disk
+    llm = bench.llm(
+        clock, SCHEMES[scheme], cache_memory, max_loras, pin, adapter_memory, host, static
+    )
     replay = bench.replay(llm, clock)
     adapters = scheme != "base"
     if adapters:
@@ -387,7 +432,9 @@ def run_scheme(
     before = engine.figures()
     recorder = BindRecorder(clock.now, clock)
     engine.hooks.pm.register(recorder, name="virtual-time-binds")
-    replay.peak_kv_blocks = 0
+    replay.peak_kv_blocks = replay.peak_used_pages = 0
+    replay.read_ms.clear()
+    replay.write_ms.clear()
     records, rejected = replay.run(trace, adapters)
     engine.check_no_leaks()
     tenants = {r.id: r.tenant for r in trace}
@@ -402,7 +449,11 @@ def run_scheme(
         rejected,
         replay.arrivals,
     )
-    kv_bytes = replay.peak_kv_blocks * engine.memory().page_bytes
+    page_bytes = engine.memory().page_bytes
+    switches = sum(replay.read_ms) + sum(replay.write_ms)
+    result.switch_ms = switches / loads if loads else None
+    result.peak_used_bytes = int(replay.peak_used_pages * page_bytes * bench.scale)
+    kv_bytes = replay.peak_kv_blocks * page_bytes
     engine.shutdown()
     return result, kv_bytes
 
@@ -591,7 +642,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     add = parser.add_argument
     add(
-        "--schemes", default="base,lru,lora-guard", help=f"comma-separated, of {', '.join(SCHEMES)}"
+        "--schemes",
+        help=f"comma-separated, of {', '.join(SCHEMES)} (default: base,lru,lora-guard; seed: "
+        f"{','.join(SEED_SCHEMES)})",
     )
     add(
         "--scenario",
@@ -625,7 +678,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--adapters", type=int, help="adapters (default 24; pressure: 200)")
     add("--tenants", type=int, help="tenants (default 6; pressure: 8)")
     add("--load", type=float, default=0.7, help="share of the capacity")
-    add("--output-mean", type=float, default=64.0)
+    add("--output-mean", type=float, help="mean output tokens (default 64; seed: 180)")
     add(
         "--profile",
         choices=PROFILES,
@@ -636,7 +689,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--json", type=Path, help="write the figures here")
     add("--jobs", type=int, default=1, help="seeds replayed at once, each in its own process")
     args = parser.parse_args(argv)
-    schemes = [s for s in args.schemes.split(",") if s]
+    default = ",".join(SEED_SCHEMES) if args.scenario == "seed" else "base,lru,lora-guard"
+    schemes = [s for s in (args.schemes or default).split(",") if s]
     unknown = [s for s in schemes if s not in SCHEMES]
     if unknown:
         parser.error(f"unknown scheme {unknown[0]!r}; choose from {', '.join(SCHEMES)}")
@@ -699,9 +753,49 @@ def main(argv: Sequence[str] | None = None) -> int:
             "other tenants' TTFT p95, storm / no storm: "
             + ", ".join(f"{s} {v:.2f}x" for s, v in out["storm"].items())
         )
+    if spec.scenario == "seed":
+        out["seed_table"] = seed_table(out["schemes"], chosen)
+        print_seed_table(out["seed_table"])
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
+
+
+def seed_table(rows: dict[str, dict[str, Any]], chosen: Profile) -> dict[str, dict[str, Any]]:
+    """The article's four columns for each scheme (medians over the seeds), the article's own
+    figures beside: peak memory over the device's, adapter switch ms, P95 tokens/s (the decode
+    speed 95% of requests beat), the cold failure ratio."""
+    table = {}
+    for scheme, row in rows.items():
+        peak = chosen.weights_bytes + row["peak_pool_mib"] * MIB
+        table[scheme] = {
+            "peak_memory": peak / chosen.device_bytes,
+            "switch_ms": row["switch_ms"],
+            "p95_tokens_per_s": row["decode_tail_tokens_per_s"],
+            "cold_fail_ratio": row["cold_fail_ratio"],
+            "seed": SEED_FIGURES.get(scheme),
+        }
+    return table
+
+
+def print_seed_table(table: dict[str, dict[str, Any]]) -> None:
+    print(
+        "| scheme | peak memory / device | adapter switch ms | P95 tokens/s | cold failure ratio |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    for scheme, row in table.items():
+        seed = row["seed"] or {}
+
+        def cell(value: float | None, theirs: float | None, digits: str) -> str:
+            ours = "-" if value is None else format(value, digits)
+            return ours if theirs is None else f"{ours} (seed {format(theirs, digits)})"
+
+        print(
+            f"| {scheme} | {cell(row['peak_memory'], seed.get('peak_memory'), '.2f')} | "
+            f"{cell(row['switch_ms'], seed.get('switch_ms'), '.0f')} | "
+            f"{cell(row['p95_tokens_per_s'], seed.get('p95_tokens_per_s'), '.1f')} | "
+            f"{cell(row['cold_fail_ratio'], None, '.3f')} |"
+        )
 
 
 def _one_thread() -> None:
@@ -734,7 +828,8 @@ def _spec(args: argparse.Namespace) -> WorkloadSpec:
         )
         if v is not None
     }
-    spec = WorkloadSpec(requests=200, output_mean=args.output_mean, scenario=args.scenario)
+    output = args.output_mean or (SEED_OUTPUT_MEAN if args.scenario == "seed" else 64.0)
+    spec = WorkloadSpec(requests=200, output_mean=output, scenario=args.scenario)
     if args.scenario == "pressure":
         return pressure_spec(spec, **{"requests": 1000, **given})
     if args.scenario == "public":
@@ -765,8 +860,9 @@ def _make_bench(
             model, out, n=spec.adapters, ranks=PRESSURE_RANKS, prefix="demo", strength=0.5
         )
     else:
+        ranks = (8, 16, 32) if spec.scenario == "seed" else (4, 8, 16)
         folders = make_adapters(
-            model, out, n=spec.adapters, ranks=(4, 8, 16), prefix="demo", all_projections=True
+            model, out, n=spec.adapters, ranks=ranks, prefix="demo", all_projections=True
         )
     sizes = {f.name: weight_bytes(f) for f in folders}
     ids = [f.name for f in folders]

@@ -44,7 +44,8 @@ class WorkloadSpec:
     # over the middle third, tenant t0 adds 8x the rest's traffic on its own adapters; pressure:
     # zipf whose ranking drifts (every drift_every_s, each of the hot_ranks most popular places
     # is handed, with chance drift_share, to an adapter drawn from the rest); public: arrivals,
-    # lengths, adapter order and tenants from public traces (workload/public.py).
+    # lengths, adapter order and tenants from public traces (workload/public.py); seed: zipf
+    # in the article's setting (24 adapters, 180 output tokens on average, virtual time's).
     scenario: str = "zipf"
     drift_every_s: float = 60.0
     drift_share: float = 0.25

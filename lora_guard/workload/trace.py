@@ -25,7 +25,7 @@ from lora_guard.workload.spec import WorkloadSpec as WorkloadSpec
 from lora_guard.workload.spec import _words as _words
 from lora_guard.workload.spec import mean_rate as mean_rate
 
-SCENARIOS = ("zipf", "uniform", "burst", "tenant-storm", "pressure", "public")
+SCENARIOS = ("zipf", "uniform", "burst", "tenant-storm", "pressure", "public", "seed")
 BURST_ADAPTERS = 12  # adapters the cold tenant of the ``burst`` scenario brings at once
 STORM_FACTOR = 8.0  # the flooding tenant's arrival rate over everyone else's, in ``tenant-storm``
 
