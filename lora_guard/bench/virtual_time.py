@@ -420,7 +420,8 @@ def run_scheme(
     adapter_memory = None
     if seated is not None:
         max_loras, adapter_memory = seated
-    host = 1 if scheme == "on-demand" else None  # every switch reads from disk
+    # on-demand keeps no host pool (the least the engine allows): a switch reads from disk
+    host = max(1, max_loras) if scheme == "on-demand" else None
     llm = bench.llm(
         clock, SCHEMES[scheme], cache_memory, max_loras, pin, adapter_memory, host, static
     )

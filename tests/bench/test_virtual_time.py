@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from lora_guard.bench.virtual_time import main
+from lora_guard.cost_profiles import profile
 from lora_guard.workload.trace import TraceError
 
 ARGS = [
@@ -122,3 +123,26 @@ def test_a_trace_file_is_replayed_with_the_adapters_it_names_made_at_their_ranks
     bad.write_text(json.dumps({**lines[0], "adapter_id": "../escape"}) + "\n")
     with pytest.raises(TraceError, match="plain name"):
         main(["--trace", str(bad), "--schemes", "lru"])
+
+
+def test_the_seed_scenario_prints_the_articles_table_beside_its_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "seed.json"
+    argv = ["--scenario", "seed", "--profile", "a10-7b", "--requests", "12", "--adapters", "4"]
+    assert main([*argv, "--max-loras", "2", "--output-mean", "8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    table = report["seed_table"]
+    assert list(table) == ["static", "on-demand", "lru", "lora-guard"]
+    assert all(row["completed"] == 12 for row in report["schemes"].values())
+    assert table["static"]["switch_ms"] is None  # one adapter merged for good: no switch
+    # on-demand keeps no host pool: a switch reads from disk (25 ms + 0.5 ms/MiB on a10-7b,
+    # landing only once that time has passed on the clock) and writes; a hot pool only copies
+    a10 = profile("a10-7b")
+    smallest, largest = (a10.shape.lora_bytes(rank) / 2**20 for rank in (8, 32))
+    assert a10.costs.write(smallest) <= table["lru"]["switch_ms"] <= a10.costs.write(largest)
+    assert table["on-demand"]["switch_ms"] > table["lru"]["switch_ms"] + a10.costs.read_ms
+    weights = a10.weights_bytes / a10.device_bytes
+    assert all(weights < row["peak_memory"] < 1 for row in table.values())
+    printed = capsys.readouterr().out
+    assert "| on-demand |" in printed and "(seed 180)" in printed and "(seed 0.84)" in printed
