@@ -596,7 +596,50 @@ def report(runs: Sequence[SeedRun], schemes: Sequence[str]) -> dict[str, Any]:
                 "seat_sweeps": {r.scheme: r.seats for r in run.results if r.seats},
             }
         )
+    versus = lora_guard_ratios(out["runs"])
+    if versus:
+        out["lora_guard_over"] = versus
     return out
+
+
+#: not rivals: the base model (no adapters), the reference that adds memory, lora-guard itself
+NOT_RIVALS = ("base", ALL_RESIDENT, "lora-guard")
+
+
+def lora_guard_ratios(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """lora-guard's TTFT p95 over the best rival's and each scheme's, and its tail tokens/s over
+    the best rival's, per seed first, then their median and range (the same way for every
+    figure)."""
+    per_seed: dict[str, list[float]] = {}
+    best_names = []
+    for run in runs:
+        rows = run["schemes"]
+        ours = rows.get("lora-guard")
+        rivals = {s: r for s, r in rows.items() if s not in NOT_RIVALS and r["ttft_p95_ms"]}
+        if ours is None or not ours["ttft_p95_ms"] or not rivals:
+            return {}
+        best = min(rivals, key=lambda s: rivals[s]["ttft_p95_ms"])
+        best_names.append(best)
+        ratios = {"best rival ttft_p95": ours["ttft_p95_ms"] / rivals[best]["ttft_p95_ms"]}
+        tails = [r["tail_tokens_per_s"] for r in rivals.values() if r["tail_tokens_per_s"]]
+        if tails and ours["tail_tokens_per_s"]:
+            ratios["best rival tail_tokens_per_s"] = ours["tail_tokens_per_s"] / max(tails)
+        for scheme, row in rows.items():
+            if scheme != "lora-guard" and row["ttft_p95_ms"]:
+                ratios[f"{scheme} ttft_p95"] = ours["ttft_p95_ms"] / row["ttft_p95_ms"]
+        for name, value in ratios.items():
+            per_seed.setdefault(name, []).append(value)
+    return {
+        "best_rival_by_seed": best_names,
+        **{
+            name: {
+                "per_seed": values,
+                "median": statistics.median(values),
+                "range": [min(values), max(values)],
+            }
+            for name, values in per_seed.items()
+        },
+    }
 
 
 def _storm_ratio(run: SeedRun, scheme: str) -> float:
@@ -754,6 +797,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "other tenants' TTFT p95, storm / no storm: "
             + ", ".join(f"{s} {v:.2f}x" for s, v in out["storm"].items())
         )
+    for name, ratio in out.get("lora_guard_over", {}).items():
+        if name != "best_rival_by_seed":
+            print(
+                f"lora-guard / {name}: median {ratio['median']:.3f} (range "
+                f"{ratio['range'][0]:.3f}-{ratio['range'][1]:.3f}; per seed "
+                + ", ".join(f"{v:.3f}" for v in ratio["per_seed"])
+                + ")"
+            )
     if spec.scenario == "seed":
         out["seed_table"] = seed_table(out["schemes"], chosen)
         print_seed_table(out["seed_table"])

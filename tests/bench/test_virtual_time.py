@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_guard.bench.virtual_time import main
+from lora_guard.bench.virtual_time import lora_guard_ratios, main
 from lora_guard.cost_profiles import profile
 from lora_guard.workload.trace import TraceError
 
@@ -146,3 +146,28 @@ def test_the_seed_scenario_prints_the_articles_table_beside_its_own(
     assert all(weights < row["peak_memory"] < 1 for row in table.values())
     printed = capsys.readouterr().out
     assert "| on-demand |" in printed and "(seed 180)" in printed and "(seed 0.84)" in printed
+
+
+def test_lora_guard_is_compared_per_seed_with_its_best_rival_then_the_median() -> None:
+    def row(p95: float, tail: float) -> dict[str, float]:
+        return {"ttft_p95_ms": p95, "tail_tokens_per_s": tail}
+
+    runs = [
+        {
+            "schemes": {
+                "base": row(1, 9),
+                "lru": row(10, 2),
+                "fifo": row(8, 1),
+                "lora-guard": row(4, 3),
+            }
+        },
+        {"schemes": {"all-resident": row(1, 9), "lru": row(5, 2), "lora-guard": row(6, 1)}},
+        {"schemes": {"lru": row(10, 4), "fifo": row(20, 1), "lora-guard": row(9, 2)}},
+    ]
+    ratios = lora_guard_ratios(runs)
+    assert ratios["best_rival_by_seed"] == ["fifo", "lru", "lru"]  # base and references are not
+    best = ratios["best rival ttft_p95"]
+    assert best["per_seed"] == [0.5, 1.2, 0.9] and best["median"] == 0.9
+    assert best["range"] == [0.5, 1.2]
+    assert ratios["best rival tail_tokens_per_s"]["per_seed"] == [1.5, 0.5, 0.5]
+    assert ratios["lru ttft_p95"]["median"] == 0.9
