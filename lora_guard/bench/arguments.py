@@ -68,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="zipf (skewed popularity), uniform (every adapter alike), burst (halfway, a new "
         "tenant brings 12 unused adapters at once), tenant-storm (tenant t0 floods the middle "
         "third with 8x the others' traffic), public (arrivals, lengths and the order of adapter "
-        "use from public traces, docs/workloads.md; --adapters 229 for one per LoRA)",
+        "use from public traces, docs/workloads.md; --adapters 229 for one per LoRA), seed "
+        "(zipf in the article's setting: virtual time's --scenario seed prints its table)",
     )
     add(
         "--system-prompt-words",
