@@ -183,8 +183,8 @@ class Replay:
         self.engine.costs.external = True
         from lora_guard.engine.lora.loader import ModelledReads
 
-        loader = self.engine.adapters.loader
-        self.reads = loader.modelled = ModelledReads(clock, self._read_ms)
+        self.reads = ModelledReads(clock, self._read_ms)
+        self.engine.model_reads(self.reads)
         self.read_ms: list[float] = []  # each read from disk's modelled time
         self.write_ms: list[float] = []  # each adapter's write into the pool
         self.adapter_mib = adapter_mib

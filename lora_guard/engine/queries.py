@@ -14,6 +14,7 @@ from lora_guard.engine.config import EngineConfig
 from lora_guard.engine.cost_meter import CostMeter
 from lora_guard.engine.errors import UnknownAdapterError
 from lora_guard.engine.lora.checkpoint import LoRAAdapter, read_adapter
+from lora_guard.engine.lora.loader import ModelledReads
 from lora_guard.engine.lora.tiers import Need
 from lora_guard.engine.runner import ModelRunner
 from lora_guard.engine.scheduler import Scheduler
@@ -128,6 +129,10 @@ class EngineQueries:
     def adapter_page_bytes(self, adapter: LoRAAdapter) -> int:
         """Bytes ``adapter`` takes in the pool."""
         return self.runner.pool.layout(adapter).nbytes
+
+    def model_reads(self, reads: ModelledReads) -> None:
+        """Let reads from disk land when ``reads`` says (a replay on a modelled clock)."""
+        self.scheduler.adapters.loader.modelled = reads
 
     def wait_for_reads(self) -> None:
         """Block until every read from disk under way has ended (it lands at the next step)."""
