@@ -3,8 +3,10 @@ pool's pages; and the threads around the step loop kept from slowing it down."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -267,3 +269,15 @@ def test_serial_thread_leaves_other_threads_their_threads() -> None:
     other.start()
     other.join()
     assert fresh == [torch.get_num_threads()]  # a thread made later still gets them all
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path: Path) -> None:
+    lock = tmp_path / "lock"
+    lock.touch()
+    kernel._clear_stale_lock(tmp_path)
+    assert lock.exists()  # a build under way: wait for it
+    old = time.time() - kernel.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    kernel._clear_stale_lock(tmp_path)
+    assert not lock.exists()  # no build runs that long: torch would wait for it forever
+    kernel._clear_stale_lock(tmp_path)  # and none at all is fine

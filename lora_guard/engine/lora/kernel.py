@@ -3,6 +3,7 @@
 Built on first use with the machine's C++ compiler and ninja (torch's extension builder; about
 10 s, once per torch and Python version) and kept in torch's extension folder
 (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``); `make bootstrap` builds it ahead.
+A build's lock older than ten minutes (a build killed midway) is removed rather than waited on.
 Where it cannot be built the engine computes with the per-segment loop and says why once.
 It is built with OpenMP: torch's ``parallel_for`` is an OpenMP pragma in a header, so without
 the flag the segments would run one after another. At load the library's ``libgomp.so.1`` is the
@@ -21,6 +22,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("sgmv.cpp")
+STALE_LOCK_S = 600.0  # a build takes about 10 s here; a lock this old was left by a killed one
 _state: dict[str, object] = {}
 
 
@@ -36,6 +38,7 @@ def load() -> bool:
         try:
             from torch.utils import cpp_extension
 
+            _clear_stale_lock(Path(cpp_extension._get_build_directory(_name(), verbose=False)))
             cpp_extension.load(
                 name=_name(),
                 sources=[str(SOURCE)],
@@ -52,6 +55,19 @@ def load() -> bool:
         if not _state["ok"]:
             log.warning("LoRA kernel unavailable, computing per segment: %s", error())
     return bool(_state["ok"])
+
+
+def _clear_stale_lock(build: Path) -> None:
+    """Remove the build's lock when it is older than any build takes: a process killed while it
+    built leaves it, and torch's builder then waits for it forever in every later process."""
+    lock = build / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 def error() -> str | None:
