@@ -91,6 +91,8 @@ def test_every_rival_and_lora_guard_stay_under_the_bound_under_pressure(tmp_path
         if name == "all-resident":
             assert row["loads"] == 0 and row["hit_rate"] == 1.0
             assert row["adapter_wait_ms_p95"] == 0.0
+        elif name == "static":
+            assert row["loads"] == 0  # one adapter merged for good serves the whole load
         else:
             assert row["loads"] > 0, name
 
