@@ -602,8 +602,9 @@ def report(runs: Sequence[SeedRun], schemes: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-#: not rivals: the base model (no adapters), the reference that adds memory, lora-guard itself
-NOT_RIVALS = ("base", ALL_RESIDENT, "lora-guard")
+#: not rivals: the base model (no adapters), the reference that adds memory, one adapter merged
+#: for good (it serves one adapter's load, not the trace), lora-guard itself
+NOT_RIVALS = ("base", ALL_RESIDENT, "static", "lora-guard")
 
 
 def lora_guard_ratios(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
