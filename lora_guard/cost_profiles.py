@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lora_guard.engine.spec import LORA_TARGETS, projection_shape
 from lora_guard.simulate_costs import MIB, Costs
 
-#: PEFT's names for a Llama layer's projections
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TINY_LAYERS = 2
 TINY_HIDDEN = 64  # the tiny model's hidden width is at least this
 TINY_DTYPE_BYTES = 4  # the tiny model runs in float32
@@ -42,19 +41,9 @@ class Shape:
 
     def projection(self, name: str) -> tuple[int, int]:
         """``name``'s input and output widths."""
-        h, i, kv = self.hidden, self.intermediate, self.kv_width
-        widths = {
-            "q_proj": (h, h),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (h, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
-        return widths[name]
+        return projection_shape(name, self.hidden, self.hidden, self.kv_width, self.intermediate)
 
-    def lora_bytes(self, rank: int, targets: tuple[str, ...] = PROJECTIONS) -> int:
+    def lora_bytes(self, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> int:
         """An adapter's bytes: A (rank x in) and B (out x rank) on each target, every layer."""
         return rank * sum(sum(self.projection(t)) for t in targets) * self.layers * self.dtype_bytes
 

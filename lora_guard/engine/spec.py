@@ -18,6 +18,21 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
 LORA_TARGETS = tuple(m for group in FUSED_PROJECTIONS.values() for m in group)
 
 
+def projection_shape(
+    module: str, hidden: int, q_width: int, kv_width: int, intermediate: int
+) -> tuple[int, int]:
+    """(in_features, out_features) of a Llama layer's projection ``module``."""
+    return {
+        "q_proj": (hidden, q_width),
+        "k_proj": (hidden, kv_width),
+        "v_proj": (hidden, kv_width),
+        "o_proj": (q_width, hidden),
+        "gate_proj": (hidden, intermediate),
+        "up_proj": (hidden, intermediate),
+        "down_proj": (intermediate, hidden),
+    }[module]
+
+
 class ModelLoadError(ValueError):
     """The checkpoint cannot be served: wrong architecture, pickle weights, missing tensors."""
 
@@ -75,21 +90,13 @@ class ModelSpec:
 
     def module_shape(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of a LoRA-targetable projection."""
-        h, q, kv, inter = (
+        return projection_shape(
+            module,
             self.hidden_size,
             self.num_heads * self.head_dim,
             self.num_kv_heads * self.head_dim,
             self.intermediate_size,
         )
-        return {
-            "q_proj": (h, q),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (q, h),
-            "gate_proj": (h, inter),
-            "up_proj": (h, inter),
-            "down_proj": (inter, h),
-        }[module]
 
     def fused_rows(self, module: str) -> tuple[str, int, int]:
         """The fused projection that holds ``module``, and the output rows it occupies there."""
