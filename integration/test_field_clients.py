@@ -180,10 +180,14 @@ def test_guidellm(demo_server: tuple[ServerProcess, Path], tmp_path: Path) -> No
     served = ServerCounts.read(server.url) - before
 
     totals = metrics["request_totals"]
-    assert (totals["successful"], totals["errored"], totals["incomplete"]) == (PROMPTS, 0, 0)
+    assert (totals["errored"], totals["incomplete"]) == (0, 0)
+    # guidellm 0.8.1 may cancel, at its max_requests stop, a request it had not yet sent, and its
+    # report leaves such requests out: what it sent must all succeed and match the server.
+    successful = totals["successful"]
+    assert PROMPTS - 1 <= successful <= PROMPTS
     generated = metrics["output_token_count"]["successful"]["total_sum"]
-    assert generated == PROMPTS * OUTPUT_LEN
-    assert served.requests == PROMPTS
+    assert generated == successful * OUTPUT_LEN
+    assert served.requests == successful
     assert served.generated == generated
     assert served.prompt_tokens == metrics["prompt_token_count"]["successful"]["total_sum"]
     ttft_ms = metrics["time_to_first_token_ms"]["successful"]["mean"]
