@@ -141,8 +141,9 @@ CPU_DEMO = Profile(
     {
         "costs": "lora-guard simulate --calibrate docs/simulate-costs.json (docs/simulate.md)",
         "step_lora_ms": "0: the calibration's fitted fixed part holds it",
-        "memory": "about what lora-guard serve takes without --cache-memory (a quarter of free "
-        "memory) on a host with 32 GiB free",
+        "memory": "what lora-guard serve takes for the demo without --cache-memory on a host "
+        "with 32 GiB free (the need of 64 requests of 8,192 tokens, capped at a quarter of free "
+        "memory)",
     },
 )
 

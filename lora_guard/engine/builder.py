@@ -13,7 +13,7 @@ from lora_guard.engine.config import ConfigError, EngineConfig
 from lora_guard.engine.kv_cache import BlockManager
 from lora_guard.engine.linear import blocked_layout_available
 from lora_guard.engine.llm_engine import LLMEngine
-from lora_guard.engine.lora.checkpoint import read_adapter
+from lora_guard.engine.lora.checkpoint import layer_elements, read_adapter
 from lora_guard.engine.lora.compute import resolve_mode
 from lora_guard.engine.lora.loader import AdapterLoader, HostCache
 from lora_guard.engine.lora.merged import MergedResidency
@@ -22,6 +22,7 @@ from lora_guard.engine.lora.registry import AdapterRegistry
 from lora_guard.engine.lora.residency import ResidencyManager
 from lora_guard.engine.lora.tiers import Residency
 from lora_guard.engine.model import LlamaModel
+from lora_guard.engine.pool_size import size_pool
 from lora_guard.engine.request_check import RequestCheck
 from lora_guard.engine.runner import ModelRunner
 from lora_guard.engine.scheduler import Scheduler
@@ -95,11 +96,28 @@ def engine_from_config(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model_id = config.model_id or model_name(model_dir, model.config)
     spec = model.spec
+    registry = AdapterRegistry()
+    if adapter_dir is not None:
+        registry.add_dir(Path(adapter_dir).expanduser())
+    for adapter_id, path in (adapters or {}).items():
+        registry.add(adapter_id, Path(path).expanduser())
     page_bytes = CachePool.page_bytes(spec, config.block_size, config.torch_dtype)
-    num_pages = config.cache_bytes() // page_bytes
+    try:
+        lora_page_elems = CachePool.lora_elements(
+            spec, config.block_size, config.torch_dtype, config.torch_lora_dtype
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    found = [
+        CachePool.pages_for(layer_elements(registry.require(a).path).values(), lora_page_elems)
+        for a in registry
+    ]
+    size = size_pool(config, page_bytes, max_model_len(config, spec, num_pages=None), found)
+    log.info("cache pool %s", size.how)
+    num_pages = size.nbytes // page_bytes
     if num_pages < MIN_KV_BLOCKS:
         raise ConfigError(
-            f"the cache pool ({config.cache_bytes()} bytes) holds {num_pages} pages of "
+            f"the cache pool ({size.nbytes} bytes) holds {num_pages} pages of "
             f"{page_bytes} bytes; at least {MIN_KV_BLOCKS} are needed"
         )
     adapter_pages = -(-int(config.adapter_memory or 0) // page_bytes)
@@ -136,7 +154,7 @@ def engine_from_config(
         blocks,
         HostCache(config.max_cpu_loras),
         AdapterLoader(spec, config.max_lora_rank, config.torch_lora_dtype),
-        AdapterRegistry(),
+        registry,
         config.max_loras,
     )
     residency: Residency
@@ -147,10 +165,6 @@ def engine_from_config(
         residency = ResidencyManager(
             pool, *tiers, events=hooks, quantum_s=quantum_s, clock=config.clock
         )
-    if adapter_dir is not None:
-        residency.registry.add_dir(Path(adapter_dir).expanduser())
-    for adapter_id, path in (adapters or {}).items():
-        residency.register(adapter_id, Path(path).expanduser())
     if isinstance(residency, MergedResidency) and config.static_adapter is not None:
         merge_static(residency, config.static_adapter, spec, config)
     scheduler = Scheduler(
@@ -173,10 +187,12 @@ def engine_from_config(
     return LLMEngine(config, hooks, tokenizer, model_id, scheduler, runner, check)
 
 
-def max_model_len(config: EngineConfig, spec: ModelSpec, num_pages: int) -> int:
-    """The longest request, prompt and generated tokens: what the model, the pool, the settings
-    and a sliding window allow."""
-    limits = [spec.max_position_embeddings, num_pages * config.block_size]
+def max_model_len(config: EngineConfig, spec: ModelSpec, num_pages: int | None) -> int:
+    """The longest request, prompt and generated tokens: what the model, the pool (when its
+    ``num_pages`` are known), the settings and a sliding window allow."""
+    limits = [spec.max_position_embeddings]
+    if num_pages is not None:
+        limits.append(num_pages * config.block_size)
     if config.max_model_len:
         limits.append(config.max_model_len)
     if spec.sliding_window:

@@ -293,14 +293,15 @@ class EngineConfig:
         "it",
         check=parse_memory,
         metavar="SIZE",
-        shown="{kv_cache_memory}, else a quarter of free memory",
+        shown="{kv_cache_memory}, else what {max_num_seqs} requests and the adapters "
+        "need, at most a quarter of free memory",
     )
     kv_cache_memory: int | str | None = setting(
         None,
         help="the cache pool under its former name, used when {cache_memory} is not given",
         check=parse_memory,
         metavar="SIZE",
-        shown="a quarter of free memory",
+        shown="sized to the work",
     )
     adapter_memory: int | str | None = setting(
         None,
@@ -423,12 +424,13 @@ class EngineConfig:
         assert isinstance(self.lora_dtype, torch.dtype)
         return self.lora_dtype
 
-    def cache_bytes(self) -> int:
-        """The cache pool's size: KV blocks and adapter weights share it."""
+    def cache_bytes(self) -> int | None:
+        """The cache pool's size when one is set (KV blocks and adapter weights share it); None:
+        the engine sizes it to the work (``lora_guard.engine.pool_size``)."""
         for size in (self.cache_memory, self.kv_cache_memory):
             if size is not None:
                 return int(size)
-        return int(free_memory(self.torch_device) * DEFAULT_CACHE_SHARE)
+        return None
 
 
 def user_fields() -> Iterator[Field[Any]]:

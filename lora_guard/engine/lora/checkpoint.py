@@ -73,6 +73,30 @@ def largest_adapter_bytes(spec: ModelSpec, max_rank: int) -> int:
     return per_layer * spec.num_layers * max_rank * 8 + MAX_CONFIG_BYTES
 
 
+def layer_elements(path: Path) -> dict[int, tuple[int, int]]:
+    """Elements of an adapter's A and B matrices in each layer, read from its weights file's
+    header alone (no tensor is loaded): what sizes its pages before it is read. Empty when the
+    file is missing or its header unreadable (the read itself then says why)."""
+    try:
+        with open(path / WEIGHTS_FILE, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(min(length, MAX_CONFIG_BYTES * 16)))
+    except (OSError, ValueError):
+        return {}
+    per_layer: dict[int, tuple[int, int]] = {}
+    for key, entry in header.items() if isinstance(header, dict) else ():
+        match = _KEY.match(key)
+        if match is None or not isinstance(entry, dict):
+            continue
+        layer, which = int(match.group(1)), match.group(3)
+        elems = 1
+        for dim in entry.get("shape", ()):
+            elems *= int(dim)
+        a, b = per_layer.get(layer, (0, 0))
+        per_layer[layer] = (a + elems, b) if which == "A" else (a, b + elems)
+    return per_layer
+
+
 def _read_regular_file(file: Path, root: Path | None, limit: int) -> bytes:
     """The bytes of ``file``, which must be a regular file (not a pipe, device or folder) of at
     most ``limit`` bytes and, with ``root``, must resolve inside it. Raises ``ValueError`` with

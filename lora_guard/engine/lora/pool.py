@@ -18,7 +18,10 @@ bfloat16 adapter beside float32 KV takes half the pages.
 
 from __future__ import annotations
 
+import mmap
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from math import prod
 
 import torch
 
@@ -76,6 +79,16 @@ class AdapterLayout:
     nbytes: int  # bytes of its weights (without the rounding up to pages)
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On a CPU its memory is an anonymous map, zero by definition and committed
+    page by page as it is first written: the pool's resident memory is what the cache has used,
+    not its size."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    memory = mmap.mmap(-1, max(prod(shape) * dtype.itemsize, 1))
+    return torch.frombuffer(memory, dtype=dtype).view(shape)
+
+
 class CachePool:
     def __init__(
         self,
@@ -88,18 +101,32 @@ class CachePool:
     ) -> None:
         self.spec, self.num_pages, self.block_size = spec, num_pages, block_size
         self.page_elems = block_size * spec.num_kv_heads * spec.head_dim
-        self.arena = torch.zeros(
-            spec.num_layers, 2, num_pages, self.page_elems, dtype=dtype, device=device
-        )
         self.lora_dtype = lora_dtype or dtype
-        ratio = dtype.itemsize / self.lora_dtype.itemsize
-        if ratio * self.page_elems != int(ratio * self.page_elems):
-            raise ValueError(f"a page of {dtype} cannot hold {self.lora_dtype} adapter weights")
-        self.lora_page_elems = int(ratio * self.page_elems)  # adapter elements a page holds
+        # adapter elements a page holds
+        self.lora_page_elems = self.lora_elements(spec, block_size, dtype, self.lora_dtype)
+        self.arena = zeroed((spec.num_layers, 2, num_pages, self.page_elems), dtype, device)
         # The whole arena as the adapters' dtype: what the kernel reads, offsets in its elements.
         self.lora_arena = self.arena.view(-1).view(self.lora_dtype)
         shape = (spec.num_layers, num_pages * block_size, spec.num_kv_heads, spec.head_dim)
         self.kv = KVCache(self.arena[:, 0].view(shape), self.arena[:, 1].view(shape))
+
+    @staticmethod
+    def lora_elements(
+        spec: ModelSpec, block_size: int, dtype: torch.dtype, lora_dtype: torch.dtype
+    ) -> int:
+        """Adapter elements (of ``lora_dtype``) one page of each layer's key or value half holds."""
+        ratio = dtype.itemsize / lora_dtype.itemsize
+        page_elems = block_size * spec.num_kv_heads * spec.head_dim
+        if ratio * page_elems != int(ratio * page_elems):
+            raise ValueError(f"a page of {dtype} cannot hold {lora_dtype} adapter weights")
+        return int(ratio * page_elems)
+
+    @staticmethod
+    def pages_for(per_layer: Iterable[tuple[int, int]], lora_page_elems: int) -> int:
+        """Pages an adapter takes, from its A and B elements in each layer: its run holds every
+        layer's A in the key half and B in the value half, so the fullest half decides."""
+        most = max((max(a, b) for a, b in per_layer), default=0)
+        return max(1, -(-most // lora_page_elems))
 
     @staticmethod
     def page_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
@@ -134,8 +161,7 @@ class CachePool:
                     a_used[layer] += a.numel()
                     b_used[layer] += b.numel()
                     elems += a.numel() + b.numel()
-        most = max(max(a_used), max(b_used))
-        num_pages = max(1, -(-most // self.lora_page_elems))
+        num_pages = self.pages_for(zip(a_used, b_used, strict=True), self.lora_page_elems)
         return AdapterLayout(num_pages, tuple(placements), elems * self.lora_dtype.itemsize)
 
     def write(self, adapter: LoRAAdapter, layout: AdapterLayout, first_page: int) -> None:
