@@ -85,7 +85,8 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     not its size."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    memory = mmap.mmap(-1, max(prod(shape) * dtype.itemsize, 1))
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # a forked child gets its own copy
+    memory = mmap.mmap(-1, max(prod(shape) * dtype.itemsize, 1), flags=flags)
     return torch.frombuffer(memory, dtype=dtype).view(shape)
 
 
