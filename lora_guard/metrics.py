@@ -99,6 +99,22 @@ METRICS = (
            "adapters resident, those requests wait for, and max_lora, the seats plus the resident "
            "adapters no request needs (running + waiting < max_lora: room to load one).",
            ("running_lora_adapters", "waiting_lora_adapters", "max_lora")),
+    Metric("vllm:lora_adapter_loaded", "gauge",
+           "1 for each adapter loaded: level=gpu in the cache pool, on the model's device, ready "
+           "to serve; level=cpu only in host memory. pinned: exempt from eviction; rank: its "
+           "largest rank.", ("adapter_name", "level", "pinned", "rank")),
+    Metric("vllm:num_gpu_loaded_lora_adapters", "gauge",
+           "Adapters in the cache pool; model_name is the served base model.", ("model_name",)),
+    Metric("vllm:num_cpu_loaded_lora_adapters", "gauge",
+           "Adapters in host memory (those in the pool included).", ("model_name",)),
+    Metric("vllm:max_gpu_lora_adapters", "gauge",
+           "Adapters the cache pool can hold now: max_loras; without a seat cap, those in it "
+           "plus as many more as its free pages hold, at the largest size it has seen.",
+           ("model_name",)),
+    Metric("vllm:lora_adapter_load_seconds", "histogram",
+           "Seconds an adapter transition took: load (read from disk into host memory), "
+           "activate (copy from host memory into the cache pool).", ("transition",),
+           buckets=tuple(ms / 1000 for ms in SWAP_MS_BUCKETS)),
     Metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches."),
     Metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
     Metric("vllm:num_preemptions", "counter",
@@ -140,6 +156,10 @@ class MetricsPlugin:
         self._last_preemptions = 0
         self._last_changed_on_disk = 0
         self._resident_key: tuple[Any, ...] | None = None
+        self._loaded: set[tuple[str, str, str, str]] = set()
+        self.max_loras = 0
+        self.model_name = ""  # the served base model, set by the server once it is known
+        self._counted_model = ""
         self._resident: set[tuple[str, str, str]] = set()
         self._lora_info: tuple[str, str, str] | None = None
         self.counter: dict[str, Counter] = {}
@@ -165,6 +185,8 @@ class MetricsPlugin:
             self.counter["lora_guard_adapter_lookups_total"].labels(result=result)
         for outcome in COLD_LOAD_OUTCOMES:
             self.counter["lora_guard_cold_loads_total"].labels(outcome=outcome)
+        for transition in ("load", "activate"):
+            self.histogram["vllm:lora_adapter_load_seconds"].labels(transition=transition)
 
     # exposition
 
@@ -190,6 +212,7 @@ class MetricsPlugin:
         if not window_s > 0:
             raise ValueError(f"metrics_window_s must be positive, got {window_s}")
         self.hot_window.window_s = self.cold_window.window_s = window_s
+        self.max_loras = int(config.get("max_loras", 0) or 0)
 
     # observers
 
@@ -199,8 +222,12 @@ class MetricsPlugin:
         self.hot_window.add(result == "hot")
 
     @hookimpl
-    def lora_guard_adapter_loaded(self, tier: str, swap_ms: float) -> None:
+    def lora_guard_adapter_loaded(self, tier: str, swap_ms: float, read_ms: float) -> None:
         self.histogram["lora_guard_adapter_swap_ms"].observe(swap_ms)
+        transitions = self.histogram["vllm:lora_adapter_load_seconds"]
+        if tier == "cold" and read_ms > 0:
+            transitions.labels(transition="load").observe(read_ms / 1000)
+        transitions.labels(transition="activate").observe(max(swap_ms - read_ms, 0.0) / 1000)
         if tier == "cold":
             self._cold_load("loaded")
 
@@ -256,6 +283,11 @@ class MetricsPlugin:
             self._last_changed_on_disk,
             state.adapters_changed_on_disk,
         )
+        self.publish(state)
+
+    def publish(self, state: EngineState) -> None:
+        """Mirror ``state`` in the gauges: after every step, and once at start (routers read
+        the residency gauges before any request)."""
         gauge = self.gauge
         gauge["lora_guard_memory_watermark"].set(state.memory_watermark)
         gauge["vllm:kv_cache_usage_perc"].set(state.kv_share)
@@ -267,6 +299,7 @@ class MetricsPlugin:
             gauge["lora_guard_cache_pool_bytes"].labels(kind=kind).set(nbytes)
         gauge["lora_guard_requests_parked"].set(state.num_parked)
         self._update_resident(state)
+        self._update_loaded(state)
         self._update_lora_info(state)
 
     def _advance(self, name: str, last: int, total: int) -> int:
@@ -297,6 +330,33 @@ class MetricsPlugin:
             gauge.remove(*series)
         self._resident = resident
 
+    def _update_loaded(self, state: EngineState) -> None:
+        """vLLM's residency gauges, as routers read them (llm-d's load-state scorer)."""
+        in_pool = {v.adapter_id for v in state.slots if v.adapter_id is not None}
+
+        def series(adapter_id: str, level: str) -> tuple[str, str, str, str]:
+            pinned = "true" if adapter_id in state.pinned else "false"
+            return adapter_id, level, pinned, str(state.adapter_ranks.get(adapter_id, ""))
+
+        loaded = {series(a, "gpu") for a in in_pool}
+        loaded.update(series(a, "cpu") for a in state.host_adapters if a not in in_pool)
+        gauge = self.gauge["vllm:lora_adapter_loaded"]
+        for labels in loaded - self._loaded:
+            gauge.labels(*labels).set(1)
+        for labels in self._loaded - loaded:
+            gauge.remove(*labels)
+        self._loaded = loaded
+        counts = {
+            "vllm:num_gpu_loaded_lora_adapters": len(in_pool),
+            "vllm:num_cpu_loaded_lora_adapters": len(state.host_adapters),
+            "vllm:max_gpu_lora_adapters": pool_capacity(state, self.max_loras),
+        }
+        for name, value in counts.items():
+            if self.model_name != self._counted_model:
+                self.gauge[name].clear()  # named after the first steps: no series for ""
+            self.gauge[name].labels(model_name=self.model_name).set(value)
+        self._counted_model = self.model_name
+
     def _update_lora_info(self, state: EngineState) -> None:
         labels = lora_requests_labels(state)
         gauge = self.gauge["vllm:lora_requests_info"]
@@ -305,6 +365,16 @@ class MetricsPlugin:
             if self._lora_info is not None:
                 gauge.remove(*self._lora_info)
             self._lora_info = labels
+
+
+def pool_capacity(state: EngineState, max_loras: int) -> int:
+    """Adapters the cache pool can hold now: its seats under a cap; without one, those in it plus
+    as many more as its free pages hold at the largest size among those it knows."""
+    if max_loras:
+        return max_loras
+    in_pool = sum(1 for v in state.slots if v.adapter_id is not None)
+    largest = max(state.adapter_pages.values(), default=0)
+    return in_pool + (state.free_pages // largest if largest else int(state.free_pages > 0))
 
 
 def lora_requests_labels(state: EngineState) -> tuple[str, str, str]:

@@ -147,6 +147,7 @@ class Scheduler:
                 ),
                 pool_pages=blocks.num_blocks,
                 block_size=blocks.block_size,
+                adapter_ranks=MappingProxyType(adapters.ranks()),
             )
         return self._state
 

@@ -176,15 +176,20 @@ def lora_guard_cache_evict(
 
 
 @hookspec
-def lora_guard_adapter_loaded(adapter_id: str, slot: int, tier: str, swap_ms: float) -> None:
+def lora_guard_adapter_loaded(
+    adapter_id: str, slot: int, tier: str, swap_ms: float, read_ms: float
+) -> None:
     """An adapter is ready in a device slot.
 
     :param adapter_id: the adapter.
     :param slot: the device slot it is in.
     :param tier: ``"warm"`` (from host memory) or ``"cold"`` (read from disk).
     :param swap_ms: from the start of the load to the slot being ready.
+    :param read_ms: the part of ``swap_ms`` spent reading it from disk into host memory (0 for a
+        warm load, and where the read is not timed apart); the rest is its copy into the slot.
 
     .. versionadded:: 0.1
+    .. versionchanged:: 0.5 ``read_ms``.
     """
 
 

@@ -82,6 +82,7 @@ class EngineState:
         running or waiting request needs, once it is in host memory.
     :param pool_pages: pages of the whole cache pool (KV blocks and adapter pages).
     :param block_size: tokens of KV a page holds.
+    :param adapter_ranks: the largest rank of each adapter in the pool or in host memory.
     :param reads_in_background: a cold adapter is read from disk beside the steps (the bundled
         engine's loader thread), so its requests cannot run until the read ends; False where
         the step that needs it reads it (inside vLLM).
@@ -112,6 +113,7 @@ class EngineState:
     adapter_pages: Mapping[str, int] = field(default_factory=dict)
     pool_pages: int = 0
     block_size: int = 16
+    adapter_ranks: Mapping[str, int] = field(default_factory=dict)
     reads_in_background: bool = True
 
     def slot_of(self, adapter_id: str) -> int | None:

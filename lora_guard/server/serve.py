@@ -111,10 +111,14 @@ def state_for(
     """What the routes share, for ``engine`` and the settings (``plugin_settings()``)."""
     from lora_guard.metrics import metrics_of
 
+    metrics = metrics_of(engine.hooks.pm)
+    if metrics is not None:
+        metrics.model_name = engine.model_id  # the label routers match a base-model request by
+        metrics.publish(engine.state())
     return ServerState(
         AsyncEngine(engine),
         limits_for(engine, settings),
-        metrics=metrics_of(engine.hooks.pm),
+        metrics=metrics,
         keys=keys,
         adapter_dirs=list(adapter_dirs or []),
     )

@@ -327,6 +327,7 @@ class SchedulerGuard:
                 slot=load.seat,
                 tier=load.tier,
                 swap_ms=duration_s * 1000,
+                read_ms=0.0,
             )
         self._take_rejects()
         state = self.state(waiting, running)

@@ -166,6 +166,12 @@ class ResidencyManager(Residency):
             return False
         return self._needs_eviction(need.adapter_id)
 
+    def ranks(self) -> dict[str, int]:
+        ranks = super().ranks()
+        for entry in self.residents():
+            ranks.setdefault(entry.adapter_id, max(p.rank for p in entry.layout.placements))
+        return ranks
+
     def pages_by_adapter(self, adapter_ids: Iterable[str]) -> dict[str, int]:
         """Pages each resident adapter, and each of ``adapter_ids`` in host memory, takes in the
         pool."""

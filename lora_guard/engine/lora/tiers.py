@@ -184,6 +184,10 @@ class Residency:
         pool (none in merged mode)."""
         return {}
 
+    def ranks(self) -> dict[str, int]:
+        """The largest rank of each adapter in host memory or in the pool."""
+        return {a: adapter.rank for a, adapter in self.host.entries.items()}
+
     def slot_views(self, running: Counter[str], now: float) -> tuple[SlotView, ...]:
         """The pool's seats as the policies see them, with the running requests per adapter."""
         return ()
@@ -299,6 +303,7 @@ class Residency:
                 slot=seat,
                 tier=tier.value,
                 swap_ms=swap_ms,
+                read_ms=read_ms or 0.0,
             )
 
     def _evicted(self, adapter_id: str, seat: int) -> None:
