@@ -16,9 +16,18 @@ import httpx
 import pytest
 
 from lora_guard.demo.adapters import make_adapters
-from lora_guard.demo.testing import ServerProcess, metric_samples, start_server
+from lora_guard.demo.testing import (
+    CPU,
+    EVICTABLE,
+    FREE_SLOT,
+    GPU,
+    SATURATED,
+    ServerProcess,
+    metric_samples,
+    scorer_tier,
+    start_server,
+)
 
-GPU, CPU, FREE_SLOT, EVICTABLE, SATURATED = 1.0, 0.7, 0.6, 0.3, 0.0
 SEATS = 2
 
 
@@ -34,31 +43,6 @@ def seated(
     server = start_server(model, root / "adapters", "--max-loras", str(SEATS), log=log)
     yield server
     assert server.stop() == 0, log.read_text()
-
-
-def scorer_tier(url: str, adapter: str) -> float:
-    """llm-d's ``classify`` over this server's exposition, with the default tier scores."""
-    samples = metric_samples(url)
-    loaded = {
-        labels["adapter_name"]: labels
-        for labels, value in samples.get("vllm:lora_adapter_loaded", [])
-        if value > 0
-    }
-    gpu_loaded = samples["vllm:num_gpu_loaded_lora_adapters"][0][1]
-    max_active = samples["vllm:max_gpu_lora_adapters"][0][1]
-    (info, _), *_ = samples["vllm:lora_requests_info"]
-    active = {a for a in info["running_lora_adapters"].split(",") if a}
-    state = loaded.get(adapter)
-    if state is not None:
-        return GPU if state["level"] == "gpu" else CPU
-    if gpu_loaded < max_active:
-        return FREE_SLOT
-    idle = [
-        name
-        for name, labels in loaded.items()
-        if labels["level"] == "gpu" and labels["pinned"] == "false" and name not in active
-    ]
-    return EVICTABLE if idle else SATURATED
 
 
 def held_tier(url: str, adapter: str, busy: set[str]) -> float:

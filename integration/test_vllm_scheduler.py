@@ -29,7 +29,15 @@ import httpx
 import pytest
 
 from lora_guard.demo.adapters import make_adapters
-from lora_guard.demo.testing import metric, reference_greedy
+from lora_guard.demo.testing import (
+    CPU,
+    EVICTABLE,
+    GPU,
+    metric,
+    metric_samples,
+    reference_greedy,
+    scorer_tier,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -244,3 +252,29 @@ def test_guarded_vllm_bounds_a_cold_wait_answers_a_storm_with_429_and_reports(
         assert metric(url, "lora_guard_cold_loads_total", outcome="rejected") == len(rejected)
         assert metric(url, "lora_guard_kv_namespace_conflict_total") > 0
         assert metric(url, "lora_guard_adapter_resident", tier="device") == SEATS
+        check_residency_gauges(url, list(served))
+
+
+def check_residency_gauges(url: str, adapters: list[str]) -> None:
+    """vLLM's residency gauges, served by the plugin where vLLM lacks them, as llm-d's
+    load-state scorer reads them: the adapters in the worker's seats score 1.0; with every seat
+    held and no request running, any other scores 0.3 (a load evicts an idle adapter)."""
+    base = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    samples = metric_samples(url)
+    ((labels, count),) = samples["vllm:num_gpu_loaded_lora_adapters"]
+    assert labels["model_name"] == base and count == SEATS
+    assert samples["vllm:max_gpu_lora_adapters"][0][1] == SEATS
+    loaded = {
+        row["adapter_name"]: row for row, value in samples["vllm:lora_adapter_loaded"] if value
+    }
+    device = {a for a, row in loaded.items() if row["level"] == "gpu"}
+    seated = {
+        row["adapter_id"]
+        for row, _ in samples["lora_guard_adapter_resident"]
+        if row["tier"] == "device"
+    }
+    assert device == seated and len(device) == SEATS
+    assert {row["rank"] for row in loaded.values()} == {"8"}
+    for adapter in adapters:
+        expected = GPU if adapter in device else CPU if adapter in loaded else EVICTABLE
+        assert scorer_tier(url, adapter) == expected, adapter

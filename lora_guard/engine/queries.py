@@ -5,7 +5,6 @@ run on the engine's thread (``AsyncEngine.call`` from a server)."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 from lora_guard.engine.config import EngineConfig
 from lora_guard.engine.cost_meter import CostMeter
 from lora_guard.engine.errors import UnknownAdapterError
-from lora_guard.engine.lora.checkpoint import LoRAAdapter, read_adapter
+from lora_guard.engine.lora.checkpoint import LoRAAdapter, config_rank, read_adapter
 from lora_guard.engine.lora.loader import ModelledReads
 from lora_guard.engine.lora.tiers import Need
 from lora_guard.engine.runner import ModelRunner
@@ -185,7 +184,7 @@ class EngineQueries:
                     adapter_id,
                     _tier_name(adapters.tier(adapter_id).value),
                     adapter_id in view.pinned,
-                    host.rank if host else _config_rank(entry.path),
+                    host.rank if host else config_rank(entry.path),
                     host.nbytes if host else _weights_bytes(entry.path),
                     view.heat.get(adapter_id, 0),
                 )
@@ -219,13 +218,6 @@ class EngineQueries:
     def _known(self, adapter_id: str) -> None:
         if not self.scheduler.adapters.knows(adapter_id):
             raise UnknownAdapterError(f"adapter {adapter_id!r} is not known")
-
-
-def _config_rank(path: Path) -> int | None:
-    try:
-        return int(json.loads((path / "adapter_config.json").read_text())["r"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def _weights_bytes(path: Path) -> int | None:

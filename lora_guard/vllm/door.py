@@ -165,12 +165,37 @@ class Door:
                 return
             body = b"".join(chunks)
             if start.get("status") == 200:
-                body += self.metrics.read()
+                body += without_families(self.metrics.read(), families(body))
             await send({**start, "headers": sized(start.get("headers", []), body)})
             await send({"type": "http.response.body", "body": body})
 
         plain = [(k, v) for k, v in scope["headers"] if k.lower() != b"accept-encoding"]
         await self.app({**scope, "headers": plain}, receive, append)
+
+
+def families(exposition: bytes) -> set[bytes]:
+    """The metric families a Prometheus text exposition declares."""
+    return {
+        line.split(b" ", 3)[2]
+        for line in exposition.splitlines()
+        if line.startswith(b"# TYPE ") and line.count(b" ") >= 3
+    }
+
+
+def without_families(exposition: bytes, names: set[bytes]) -> bytes:
+    """``exposition`` less the families in ``names`` (those vLLM serves itself win)."""
+    if not names:
+        return exposition
+    kept, keep = [], True
+    for line in exposition.splitlines(keepends=True):
+        if line.startswith((b"# HELP ", b"# TYPE ")):
+            keep = line.split(b" ", 3)[2] not in names
+        elif not line.startswith(b"#"):
+            sample = line.split(b"{", 1)[0].split(b" ", 1)[0]
+            keep = not any(sample == n or sample.startswith(n + b"_") for n in names)
+        if keep:
+            kept.append(line)
+    return b"".join(kept)
 
 
 async def _too_many(send: Send, reason: str, wait: float) -> None:

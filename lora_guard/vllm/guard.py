@@ -24,6 +24,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from lora_guard.engine.lora.checkpoint import config_rank
 from lora_guard.engine.usage import AdapterUsage
 from lora_guard.metrics import MetricsPlugin
 from lora_guard.plugins import Defer, Reject
@@ -37,6 +38,14 @@ from lora_guard.vllm.settings import configured_hooks
 #: the ``vllm_xargs`` key the door puts the tenant in (vLLM's ``SamplingParams.extra_args``)
 TENANT_ARG = "lora_guard_tenant"
 METRIC_PREFIX = b"lora_guard_"
+#: vLLM's residency families (its open pull requests): served by lora-guard until vLLM serves them
+RESIDENCY_FAMILIES = (
+    b"vllm:lora_adapter_loaded",
+    b"vllm:num_gpu_loaded_lora_adapters",
+    b"vllm:num_cpu_loaded_lora_adapters",
+    b"vllm:max_gpu_lora_adapters",
+    b"vllm:lora_adapter_load_seconds",
+)
 PUBLISH_EVERY_S = 0.25
 MAX_IN_FLIGHT = 8  # steps scheduled and not yet reported (async scheduling keeps one or two)
 
@@ -145,6 +154,7 @@ class SchedulerGuard:
         self.rejects = folder / channel.REJECTS_FILE if folder else None
         self.last_published = 0.0
         self.last_seats: Any = None
+        self.ranks: dict[str, int] = {}  # adapter -> the rank its config states
 
     # requests
     def view(self, request: Any) -> RequestView:
@@ -164,6 +174,20 @@ class SchedulerGuard:
         adapter = adapter_of(request)
         if adapter is not None:
             self.usage.arrived(tenant_of(request), adapter)
+            path = request.lora_request.lora_path
+            if adapter not in self.ranks and path:
+                rank = config_rank(Path(path))
+                if rank is not None:
+                    self.ranks[adapter] = rank
+
+    def serve_model(self, name: str) -> None:
+        """vLLM serves ``name``: the ``model_name`` label of the residency gauges. Publishes the
+        idle engine's state, so a router reads the residency gauges before any request."""
+        state = self.state([], [])
+        if isinstance(self.metrics, MetricsPlugin):
+            self.metrics.model_name = name
+            self.metrics.publish(state)
+        self.publish(state)
 
     def state(self, waiting: list[Any], running: list[Any]) -> EngineState:
         now = self.clock()
@@ -201,6 +225,7 @@ class SchedulerGuard:
             free_pages=max(self.num_blocks - kv_blocks, 0),
             pool_pages=self.num_blocks,
             block_size=self.block_size,
+            adapter_ranks=MappingProxyType(self.ranks),
         )
 
     # before vLLM's pass
@@ -408,13 +433,15 @@ class SchedulerGuard:
 
 
 def own_metrics(metrics: MetricsPlugin) -> bytes:
-    """The ``lora_guard_*`` families of the exposition (vLLM serves its own ``vllm:*``)."""
+    """The ``lora_guard_*`` families of the exposition and vLLM's residency families (vLLM serves
+    its other ``vllm:*``; the door drops a family vLLM serves itself)."""
     kept, keep = [], False
+    forwarded = (METRIC_PREFIX, *RESIDENCY_FAMILIES)
     for line in metrics.render().splitlines(keepends=True):
         if line.startswith((b"# HELP ", b"# TYPE ")):
-            keep = line.split(b" ", 3)[2].startswith(METRIC_PREFIX)
+            keep = line.split(b" ", 3)[2].startswith(forwarded)
         elif not line.startswith(b"#"):
-            keep = line.startswith(METRIC_PREFIX)
+            keep = line.startswith(forwarded)
         if keep:
             kept.append(line)
     return b"".join(kept)

@@ -57,6 +57,8 @@ class GuardedScheduling:
             block_size=self.block_size,  # type: ignore[attr-defined]
             folder=channel.channel_dir(channel.front_end_pid()),
         )
+        model = getattr(getattr(self, "vllm_config", None), "model_config", None)
+        self.guard.serve_model(str(getattr(model, "served_model_name", "") or ""))
 
     def add_request(self, request: Any) -> None:
         super().add_request(request)  # type: ignore[misc]

@@ -73,6 +73,17 @@ def largest_adapter_bytes(spec: ModelSpec, max_rank: int) -> int:
     return per_layer * spec.num_layers * max_rank * 8 + MAX_CONFIG_BYTES
 
 
+def config_rank(path: Path) -> int | None:
+    """An adapter folder's rank as its ``adapter_config.json`` states it (its largest, where a
+    ``rank_pattern`` sets others); None when the file does not say."""
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+        ranks = [config["r"], *(config.get("rank_pattern") or {}).values()]
+        return max(int(r) for r in ranks)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def layer_elements(path: Path) -> dict[int, tuple[int, int]]:
     """Elements of an adapter's A and B matrices in each layer, read from its weights file's
     header alone (no tensor is loaded): what sizes its pages before it is read. Empty when the
