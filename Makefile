@@ -1,4 +1,6 @@
 VENV ?= .venv
+# make test-vllm VLLM_PEER=vllm-0.31: lora_guard.vllm on the vLLM release before
+VLLM_PEER ?= vllm
 BIN := $(VENV)/bin
 
 .PHONY: bootstrap test test-fast test-clients test-vllm peers lint serve demo clean
@@ -26,8 +28,8 @@ test-clients: peers demo
 ## test-vllm: lora_guard.vllm inside vLLM's CPU build (its environment made as for the bench, then
 ## this checkout installed into it); four vLLM servers of a tiny model, about 5 minutes
 test-vllm: bootstrap
-	$(BIN)/python -m lora_guard.bench.peer_env vllm
-	$(BIN)/python -m pytest -m vllm -rP
+	$(BIN)/python -m lora_guard.bench.peer_env $(VLLM_PEER)
+	VLLM_PEER=$(VLLM_PEER) $(BIN)/python -m pytest -m vllm -rP
 
 lint: bootstrap
 	$(BIN)/ruff check lora_guard tests integration hooks

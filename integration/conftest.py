@@ -126,7 +126,7 @@ def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def vllm_python() -> Path:
     """vLLM's environment, made as the bench makes it, with this checkout of lora-guard installed
     into it (its own dependencies are vLLM's, but pluggy)."""
-    python = PEERS["vllm"].make()
+    python = PEERS[os.environ.get("VLLM_PEER", "vllm")].make()  # make test-vllm VLLM_PEER=...
     pip = [str(python), "-m", "pip", "-q", "--disable-pip-version-check", "install"]
     checkout = Path(lora_guard.__file__).resolve().parents[1]
     subprocess.run([*pip, "pluggy>=1.5"], check=True)

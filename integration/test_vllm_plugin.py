@@ -10,6 +10,7 @@ steps, vLLM shares both (its key is the adapter's name and path only).
 from __future__ import annotations
 
 import shutil
+import subprocess
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -110,3 +111,46 @@ def test_without_it_vllm_shares_prefixes_across_tenants_and_adapter_versions(
     seen = run_steps(vllm_serve, vllm_python, tiny_for_vllm, tmp_path / "without", plugin=False)
     assert seen["B"][0] > 0  # tenant B hits tenant A's prefix
     assert seen["A after reload"][0] > 0  # the new weights read KV of the old ones
+
+
+CHANGED_SEAM = """
+from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+
+original = VllmScheduler.update_from_output
+
+
+def update_from_output(self, output, runner_output):  # renamed, as a later release might
+    return original(self, output, runner_output)
+
+
+VllmScheduler.update_from_output = update_from_output
+from lora_guard.vllm.scheduler import AsyncScheduler, Scheduler  # noqa: E402
+"""
+
+
+def test_the_installed_vllm_has_the_seams_the_scheduler_uses(vllm_python: Path) -> None:
+    check = "from lora_guard.vllm.seams import scheduler_seams; print(scheduler_seams())"
+    done = subprocess.run([str(vllm_python), "-c", check], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
+
+
+def test_a_changed_seam_turns_the_scheduler_off_and_vllm_still_serves(
+    vllm_serve: ServeVllm,
+    vllm_python: Path,
+    tiny_for_vllm: tuple[Path, Path, Path],
+    tmp_path: Path,
+) -> None:
+    model, adapter, _ = tiny_for_vllm
+    (tmp_path / "changed_seam.py").write_text(CHANGED_SEAM)
+    log = tmp_path / "vllm.log"
+    args = ["--max-loras", "2", "--scheduler-cls", "changed_seam.AsyncScheduler"]
+    environment = {"PYTHONPATH": str(tmp_path)}
+    with vllm_serve(
+        vllm_python, model, {"a": adapter}, log, args=args, environment=environment
+    ) as url:
+        body = {"model": "a", "prompt": "hello", "max_tokens": 4, "temperature": 0}
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+    said = [line for line in log.read_text().splitlines() if "lora_guard.vllm is off" in line]
+    assert len(said) == 1 and "update_from_output" in said[0] and "runner_output" in said[0]

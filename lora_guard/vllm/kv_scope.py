@@ -38,7 +38,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 #: the routes whose bodies carry a prompt and a ``cache_salt``
 SALTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 MAX_BODY_BYTES = 64 * 2**20  # a larger body passes untouched; vLLM answers it
-TESTED_VLLM = ("0.32",)  # major.minor of the vLLM releases the integration test runs on
+TESTED_VLLM = ("0.31", "0.32")  # major.minor of the vLLM releases the integration test runs on
 
 
 class AdapterDigests:

@@ -5,12 +5,14 @@ Before each of vLLM's scheduling passes the waiting requests that lora-guard's p
 (batch form leaves them out, or their adapter load is deferred) leave vLLM's waiting queue; vLLM's
 own pass runs unchanged on the rest, and the held requests go back in arrival order. So vLLM keeps
 its token budget, KV allocation, preemption and ``max_loras`` gate, and the policies decide who
-may join. vLLM's scheduler is not a public interface: this module refuses to start on a vLLM
-release it was not tested on (:data:`TESTED_VLLM`).
+may join. vLLM's scheduler is not a public interface: at start the seams this module uses are
+checked (:mod:`lora_guard.vllm.seams`); where one changed, one log line says which and the
+scheduler runs as vLLM's own, without the policies.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import vllm
@@ -20,33 +22,38 @@ from vllm.v1.request import RequestStatus
 
 from lora_guard.vllm import channel
 from lora_guard.vllm.guard import SchedulerGuard
-from lora_guard.vllm.kv_scope import TESTED_VLLM
+from lora_guard.vllm.seams import scheduler_seams
 
 FINISH_REASONS = {
-    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
+    getattr(RequestStatus, state): reason
+    for state, reason in (
+        ("FINISHED_LENGTH_CAPPED", "length"),
+        ("FINISHED_ABORTED", "abort"),
+        ("FINISHED_ERROR", "error"),
+    )
+    if hasattr(RequestStatus, state)  # a missing one is a changed seam (seams.py)
 }
 
 
-def check_version(version: str = vllm.__version__) -> None:
-    release = ".".join(version.split(".")[:2])
-    if release not in TESTED_VLLM:
-        raise RuntimeError(
-            f"lora_guard.vllm's scheduler is tested on vLLM {', '.join(TESTED_VLLM)}, not "
-            f"{version}: vLLM's scheduler changes between releases; drop --scheduler-cls or "
-            "install a lora-guard that names this release"
-        )
+log = logging.getLogger("lora_guard.vllm")
 
 
 class GuardedScheduling:
     """The part shared by both scheduler classes: vLLM's methods, wrapped."""
 
-    guard: SchedulerGuard
+    guard: SchedulerGuard | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        check_version()
         super().__init__(*args, **kwargs)
+        self.guard = None  # vLLM's own scheduling, until the seams are known to match
+        changed = scheduler_seams()
+        if changed:
+            log.warning(
+                "lora_guard.vllm is off: vLLM %s changed %s; vLLM schedules on its own",
+                vllm.__version__,
+                "; ".join(changed),
+            )
+            return
         lora = self.lora_config  # type: ignore[attr-defined]
         if lora is None:
             raise RuntimeError("lora_guard.vllm's scheduler needs --enable-lora")
@@ -62,9 +69,12 @@ class GuardedScheduling:
 
     def add_request(self, request: Any) -> None:
         super().add_request(request)  # type: ignore[misc]
-        self.guard.arrived(request)
+        if self.guard is not None:
+            self.guard.arrived(request)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        if self.guard is None:
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
         waiting = self.waiting  # type: ignore[attr-defined]
         queued = list(waiting)
         held_ids = self.guard.hold_back(queued, list(self.running))  # type: ignore[attr-defined]
@@ -87,6 +97,8 @@ class GuardedScheduling:
         outputs = super().update_from_output(  # type: ignore[misc]
             scheduler_output, model_runner_output
         )
+        if self.guard is None:
+            return outputs
         self.guard.step_done(
             scheduler_output,
             list(self.waiting),  # type: ignore[attr-defined]
@@ -95,10 +107,11 @@ class GuardedScheduling:
         return outputs
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-        reason = FINISH_REASONS.get(request.status)
-        if reason is None:
-            reason = "stop_sequence" if isinstance(request.stop_reason, str) else "eos_token"
-        self.guard.finished(request, reason)
+        if self.guard is not None:
+            reason = FINISH_REASONS.get(request.status)
+            if reason is None:
+                reason = "stop_sequence" if isinstance(request.stop_reason, str) else "eos_token"
+            self.guard.finished(request, reason)
         return super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
 
 
