@@ -23,6 +23,7 @@ from typing import Any
 DIR_ENV = "LORA_GUARD_VLLM_DIR"
 SEATS_FILE = "seats.json"
 METRICS_FILE = "metrics.prom"
+WANTED_FILE = "metrics.wanted"  # touched by the door when /metrics is read
 REJECTS_FILE = "rejects.jsonl"
 
 
@@ -40,6 +41,14 @@ def front_end_pid() -> int:
     """The front end's process id, asked from the engine core: its parent, or itself when vLLM
     runs the engine in-process."""
     return os.getppid() if multiprocessing.parent_process() is not None else os.getpid()
+
+
+def mtime(path: Path) -> float:
+    """``path``'s modification time, 0 when it does not exist."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 def replace_file(path: Path, data: bytes) -> None:

@@ -17,6 +17,7 @@ scheduler in ``vllm_xargs``, for the tenant share of hot-set admission.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -44,6 +45,7 @@ from lora_guard.vllm.kv_scope import (
 from lora_guard.vllm.settings import configured_hooks
 
 ADMITTED_S = 5.0  # at most this long between the door and the scheduler's queue
+FRESH_METRICS_S = 0.5  # the longest /metrics waits for a busy scheduler to render its families
 
 
 class Door:
@@ -73,6 +75,15 @@ class Door:
             await self.app(scope, receive, send)
 
     # completions
+    async def _fresh_metrics(self) -> None:
+        asked = time.time()
+        channel.replace_file(self.folder / channel.WANTED_FILE, b"")
+        if not self.seats.json().get("busy"):
+            return
+        deadline = asked + FRESH_METRICS_S
+        while channel.mtime(self.metrics.path) < asked and time.time() < deadline:
+            await asyncio.sleep(0.01)
+
     async def _completion(self, scope: Scope, receive: Receive, send: Send) -> None:
         body, more = await read_body(receive)
         payload = None
@@ -149,7 +160,10 @@ class Door:
 
     # metrics
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """vLLM's exposition with lora-guard's families after it (uncompressed)."""
+        """vLLM's exposition with lora-guard's families after it (uncompressed). The scheduler
+        renders them when asked: a busy engine within a step, an idle one rendered them when it
+        went idle."""
+        await self._fresh_metrics()
         start: dict[str, Any] = {}
         chunks: list[bytes] = []
 

@@ -155,6 +155,9 @@ class SchedulerGuard:
         self.last_published = 0.0
         self.last_seats: Any = None
         self.ranks: dict[str, int] = {}  # adapter -> the rank its config states
+        self.rendered_at = 0.0  # when the metrics file was last written
+        self.was_busy = False
+        self._state: tuple[tuple[Any, ...], EngineState] | None = None  # one view per step
 
     # requests
     def view(self, request: Any) -> RequestView:
@@ -171,6 +174,7 @@ class SchedulerGuard:
         )
 
     def arrived(self, request: Any) -> None:
+        self._state = None
         adapter = adapter_of(request)
         if adapter is not None:
             self.usage.arrived(tenant_of(request), adapter)
@@ -190,6 +194,19 @@ class SchedulerGuard:
         self.publish(state)
 
     def state(self, waiting: list[Any], running: list[Any]) -> EngineState:
+        """The policies' view, built once per step: the view taken after a step serves the next
+        pass's decisions while no request arrived, finished or was scheduled since."""
+        key = (
+            tuple(r.request_id for r in waiting),
+            tuple((r.request_id, r.num_tokens) for r in running),
+        )
+        if self._state is not None and self._state[0] == key:
+            return self._state[1]
+        state = self._build_state(waiting, running)
+        self._state = (key, state)
+        return state
+
+    def _build_state(self, waiting: list[Any], running: list[Any]) -> EngineState:
         now = self.clock()
         in_use = Counter(a for a in map(adapter_of, running) if a)
         seated = {seat: a for a, seat in self.device.seat_of.items()}
@@ -274,6 +291,7 @@ class SchedulerGuard:
         for the first time, and the prefix-cache blocks they reuse. A load that evicts an
         adapter an ``unfinished`` request needs is thrash (``EngineState.evicting_loads``)."""
         now = self.clock()
+        self._state = None  # the seats and the heat move with this batch
         batch = [requests[i] for i in output.num_scheduled_tokens if i in requests]
         adapters = {a for a in map(adapter_of, batch) if a}
         needed = {a for a in map(adapter_of, unfinished) if a}
@@ -367,6 +385,7 @@ class SchedulerGuard:
         self.publish(state)
 
     def finished(self, request: Any, reason: str) -> None:
+        self._state = None
         rid = request.request_id
         self.waited_steps.pop(rid, None)
         self.needed_since.pop(rid, None)
@@ -414,6 +433,7 @@ class SchedulerGuard:
             "needed": sorted({*state.running_adapters, *state.waiting_adapters}),
             "waiting_out": sorted(set(state.waiting_adapters) - set(self.device.seat_of)),
             "evicting_loads": list(state.evicting_loads),
+            "busy": bool(state.num_running or state.num_waiting),
         }
 
     def publish(self, state: EngineState) -> None:
@@ -426,10 +446,14 @@ class SchedulerGuard:
             return
         record["time"] = now
         channel.replace_file(self.folder / channel.SEATS_FILE, json.dumps(record).encode())
-        if isinstance(self.metrics, MetricsPlugin):
+        # the exposition is rendered when the door asked for it since the last rendering, and
+        # once when the engine goes idle (what a later read sees)
+        wanted = channel.mtime(self.folder / channel.WANTED_FILE) >= self.rendered_at
+        if isinstance(self.metrics, MetricsPlugin) and (wanted or (self.was_busy and not busy)):
             channel.replace_file(self.folder / channel.METRICS_FILE, own_metrics(self.metrics))
+            self.rendered_at = time.time()
         del record["time"]
-        self.last_seats, self.last_published = record, now
+        self.last_seats, self.last_published, self.was_busy = record, now, bool(busy)
 
 
 def own_metrics(metrics: MetricsPlugin) -> bytes:

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from lora_guard.plugins.manager import Hooks, make_plugin_manager
 from lora_guard.vllm import channel
-from lora_guard.vllm.door import Door
+from lora_guard.vllm.door import FRESH_METRICS_S, Door, families, without_families
 from lora_guard.vllm.guard import TENANT_ARG
 
 NOW = time.time()
@@ -141,3 +141,25 @@ def test_metrics_are_vllms_then_lora_guards(tmp_path: Path) -> None:
     reply = call(vllm_app(tmp_path), "GET", "/metrics")
     assert reply.text == "vllm:num_requests_running 0.0\nlora_guard_hot_adapter_hit_rate 0.5\n"
     assert int(reply.headers["content-length"]) == len(reply.content)
+
+
+def test_a_family_vllm_serves_itself_is_left_to_vllm() -> None:
+    ours = (
+        b"# HELP vllm:lora_adapter_loaded loaded\n# TYPE vllm:lora_adapter_loaded gauge\n"
+        b'vllm:lora_adapter_loaded{adapter_name="a"} 1.0\n'
+        b"# HELP lora_guard_memory_watermark share\n# TYPE lora_guard_memory_watermark gauge\n"
+        b"lora_guard_memory_watermark 0.5\n"
+    )
+    theirs = b"# TYPE vllm:lora_adapter_loaded gauge\n"
+    assert families(theirs) == {b"vllm:lora_adapter_loaded"}
+    kept = without_families(ours, families(theirs))
+    assert b"vllm:lora_adapter_loaded" not in kept and b"lora_guard_memory_watermark 0.5" in kept
+    assert without_families(ours, set()) == ours
+
+
+def test_a_read_of_metrics_asks_the_scheduler_to_render_them(tmp_path: Path) -> None:
+    (tmp_path / channel.METRICS_FILE).write_bytes(b"lora_guard_hot_adapter_hit_rate 0.5\n")
+    before = time.time()
+    call(vllm_app(tmp_path), "GET", "/metrics")  # an idle engine (no seats file): no wait
+    assert channel.mtime(tmp_path / channel.WANTED_FILE) >= before - 1
+    assert time.time() - before < FRESH_METRICS_S

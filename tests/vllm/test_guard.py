@@ -5,11 +5,13 @@ attributes; the scheduler inside a real vLLM is ``integration/test_vllm_schedule
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from lora_guard.plugins.manager import Hooks, make_plugin_manager
+from lora_guard.vllm import channel
 from lora_guard.vllm.guard import TENANT_ARG, SchedulerGuard, Seats
 
 NOW = 1_000.0
@@ -89,3 +91,51 @@ def test_reused_blocks_computed_under_other_weights_are_counted(tmp_path: Path) 
     (tmp_path / "adapter_model.safetensors").write_bytes(b"new weights, same name and folder")
     schedule(reloaded, [1, 2, 5], 2 * BLOCK)
     assert watch.kv_conflicts == 2
+
+
+def test_one_state_view_a_step_and_metrics_rendered_when_asked(tmp_path: Path) -> None:
+    hooks = Hooks(make_plugin_manager("hot-set"))
+    hooks.configure({"max_loras": 2})
+    watch = SchedulerGuard(
+        max_loras=2,
+        max_cpu_loras=2,
+        num_blocks=1000,
+        block_size=BLOCK,
+        hooks=hooks,
+        folder=tmp_path,
+        clock=time.time,
+    )
+    built = 0
+    build = watch._build_state
+
+    def counted(*args: Any) -> Any:
+        nonlocal built
+        built += 1
+        return build(*args)
+
+    watch._build_state = counted  # type: ignore[method-assign]
+    running = [request("run", "a", NOW)]
+    waiting = [request("wait", "b", NOW)]
+    watch.hold_back(waiting, running)
+    output = SimpleNamespace(
+        num_scheduled_tokens={"run": 1}, scheduled_new_reqs=[], total_num_scheduled_tokens=1
+    )
+    watch.scheduled(output, {"run": running[0]}, running)
+    built = 0
+    watch.step_done(output, waiting, running)  # the view after the step...
+    watch.hold_back(waiting, running)  # ...serves the next pass: nothing arrived since
+    assert built == 1
+    watch.arrived(request("new", "c", NOW))
+    watch.hold_back([*waiting, request("new", "c", NOW)], running)
+    assert built == 2
+
+    metrics = tmp_path / channel.METRICS_FILE
+    rendered = channel.mtime(metrics)
+    time.sleep(0.02)
+    watch.last_seats = None  # a changed record: published
+    watch.step_done(output, waiting, running)
+    assert channel.mtime(metrics) == rendered  # nobody asked since
+    channel.replace_file(tmp_path / channel.WANTED_FILE, b"")
+    watch.last_seats = None
+    watch.step_done(output, waiting, running)
+    assert channel.mtime(metrics) > rendered
