@@ -278,3 +278,6 @@ def check_residency_gauges(url: str, adapters: list[str]) -> None:
     for adapter in adapters:
         expected = GPU if adapter in device else CPU if adapter in loaded else EVICTABLE
         assert scorer_tier(url, adapter) == expected, adapter
+    # the worker timed its loads (load_timer): reads from disk and copies into a seat apart
+    timed = {row["transition"]: v for row, v in samples["vllm:lora_adapter_load_seconds_count"]}
+    assert timed["load"] >= len(adapters) and timed["activate"] >= len(adapters)

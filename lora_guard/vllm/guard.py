@@ -33,6 +33,7 @@ from lora_guard.plugins.manager import Hooks
 from lora_guard.plugins.state import EngineState, RequestView, SlotView
 from lora_guard.vllm import channel
 from lora_guard.vllm.kv_scope import AdapterDigests
+from lora_guard.vllm.load_timer import LOADS_FILE
 from lora_guard.vllm.settings import configured_hooks
 
 #: the ``vllm_xargs`` key the door puts the tenant in (vLLM's ``SamplingParams.extra_args``)
@@ -359,18 +360,20 @@ class SchedulerGuard:
         now = self.clock()
         started, loads = self.in_flight.pop(id(output), (now, []))
         duration_s = max(now - started, 0.0)
+        timed = self._timed_loads()
         for load in loads:
             if load.evicted is not None:
                 self.hooks.notify(
                     "lora_guard_adapter_evicted", adapter_id=load.evicted, slot=load.seat
                 )
+            seconds = timed.get(load.adapter_id)  # the worker's own timing, where it has one
             self.hooks.notify(
                 "lora_guard_adapter_loaded",
                 adapter_id=load.adapter_id,
                 slot=load.seat,
                 tier=load.tier,
-                swap_ms=duration_s * 1000,
-                read_ms=0.0,
+                swap_ms=1000 * (sum(seconds.values()) if seconds else duration_s),
+                read_ms=1000 * (seconds or {}).get("load", 0.0),
             )
         self._take_rejects()
         state = self.state(waiting, running)
@@ -401,6 +404,18 @@ class SchedulerGuard:
         )
 
     # between processes
+    def _timed_loads(self) -> dict[str, dict[str, float]]:
+        """Seconds of each transition (``load``, ``activate``) of each adapter the worker loaded
+        since the last step (``load_timer``)."""
+        timed: dict[str, dict[str, float]] = {}
+        if self.folder is None:
+            return timed
+        for line in channel.take_lines(self.folder / LOADS_FILE):
+            per = timed.setdefault(str(line.get("adapter")), {})
+            transition = str(line.get("transition"))
+            per[transition] = per.get(transition, 0.0) + float(line.get("seconds", 0.0))
+        return timed
+
     def _take_rejects(self) -> None:
         """The door's 429s, counted as rejected cold loads."""
         if self.rejects is None:
