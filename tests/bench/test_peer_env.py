@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_guard.bench.peer_env import PeerEnv, main
+from lora_guard.bench.peer_env import PEERS, PeerEnv, main
 
 
 def test_an_environment_is_made_once_and_again_for_another_pin(
@@ -24,4 +24,4 @@ def test_an_environment_is_made_once_and_again_for_another_pin(
 def test_unknown_tools_are_refused_with_the_usage(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["vllm", "no-such-tool"]) == 2
     assert main([]) == 2
-    assert "vllm,guidellm" in capsys.readouterr().err
+    assert "{" + ",".join(PEERS) + "}" in capsys.readouterr().err
