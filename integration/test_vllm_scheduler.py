@@ -226,7 +226,12 @@ def test_guarded_vllm_bounds_a_cold_wait_answers_a_storm_with_429_and_reports(
             f"worst {max(plain_waits):.2f} s with vLLM alone (30 s: still waiting); each: "
             f"{[round(w, 2) for w in guarded_waits]} and {[round(w, 2) for w in plain_waits]}"
         )
-        assert max(guarded_waits) <= MAX_WAIT_S + hot.longest_s + 1.0
+        bound = MAX_WAIT_S + hot.longest_s + 1.0
+        assert max(guarded_waits) <= bound
+        # vLLM alone seats a cold request only when the hot stream happens to leave a seat: by
+        # chance, from 0.1 s to past 30 s between runs. The guard may miss such a gap and wait
+        # out its bound, never more than that beyond vLLM's luck.
+        assert max(guarded_waits) <= max(plain_waits) + bound
         assert hot.statuses and set(hot.statuses) == {200}  # no hot request lost
         # loads the minute's budget has room for queue for a seat and are served; the rest 429
         rejected = [r for r in stormed if r.status_code == 429]
