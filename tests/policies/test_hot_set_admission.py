@@ -99,3 +99,16 @@ def test_an_aged_request_drains_the_seat_it_takes_while_streams_keep_every_seat_
     assert chosen[0] == "aged-a2"
     decision = policy().lora_guard_adapter_load(aged, "warm", seated, parked=False)
     assert decision == Load(1)
+
+
+def test_a_resident_adapters_request_never_waits_behind_a_load_in_flight() -> None:
+    """``a2`` is being read from disk; the request behind it, for resident ``b1``, goes this step,
+    with no cap on the batch's adapters and with a cap of two (``a0``'s running request takes
+    one; the read in flight takes none)."""
+    running = [request("run-a0", "a0", "A", NOW - 2.0)]
+    loading = replace(state(running=1), loading=frozenset({"a2"}), host_adapters=())
+    for cap in (0, 2):
+        hot_set = policy()
+        hot_set.max_loras_per_batch = cap
+        chosen = hot_set.lora_guard_batch_form([OLD_A2, NEW_B1], running, loading)
+        assert "new-b1" in chosen and "old-a2" in chosen, cap  # a2's read holds no place
