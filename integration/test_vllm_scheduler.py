@@ -51,6 +51,9 @@ GUARD = {
     "LORA_GUARD_MAX_ADAPTER_WAIT_S": str(MAX_WAIT_S),
     "LORA_GUARD_COLD_LOADS_PER_MINUTE": str(BUDGET),
     "LORA_GUARD_COLD_QUEUE_TIMEOUT": "0",
+    # the fail ratio's window outlasts the storm, whose queued loads wait for 3000-token requests
+    # to end (a minute or more on a busy machine)
+    "LORA_GUARD_METRICS_WINDOW_S": "600",
 }
 PLUGIN = [
     "--scheduler-cls",
