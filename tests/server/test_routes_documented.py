@@ -1,0 +1,41 @@
+"""Every route the server answers has its row in docs/api.md's route table, and every row there
+is a route it answers."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from lora_guard.server import routes_admin, routes_openai, routes_tgi, routes_tokens
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+
+
+def served() -> set[tuple[str, str]]:
+    return {
+        (method, re.sub(r"\{\w+\}", "{id}", route.path))
+        for module in (routes_tgi, routes_openai, routes_tokens, routes_admin)
+        for route in module.router.routes
+        for method in route.methods  # type: ignore[attr-defined]
+    }
+
+
+def documented() -> set[tuple[str, str]]:
+    """The first cells of the route table: `METHOD /path`, and `/sibling` for a path that
+    differs only in its last segment."""
+    text = DOC.read_text()
+    table = text[text.index("| route | body / answer |") :].split("\n\n", 1)[0]
+    routes = set()
+    for row in table.splitlines()[2:]:
+        method, path = "", ""
+        for item in re.findall(r"`([^`]+)`", row.split("|")[1]):
+            if " " in item:
+                method, path = item.split(" ", 1)
+            else:
+                path = path.rsplit("/", 1)[0] + item
+            routes.add((method, path))
+    return routes
+
+
+def test_every_route_is_documented_and_every_documented_route_is_served() -> None:
+    assert served() == documented()
