@@ -213,7 +213,7 @@ def test_a_short_request_for_a_seventh_adapter_does_not_wait_for_the_long_ones(
 @settings(
     max_examples=25,
     deadline=None,
-    derandomize=True,
+    print_blob=True,  # a failure prints the @reproduce_failure line; keep it as an @example
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(

@@ -73,7 +73,7 @@ def simulator_victim(entries: list[tuple[float, float, int]]) -> str | None:
     return gone
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+@settings(max_examples=200, deadline=None, print_blob=True)
 @given(residents)
 def test_engine_and_simulator_evict_the_same_adapter(
     entries: list[tuple[float, float, int]],
