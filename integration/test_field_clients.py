@@ -197,15 +197,18 @@ def test_guidellm(demo_server: tuple[ServerProcess, Path], tmp_path: Path) -> No
 
     totals = metrics["request_totals"]
     assert (totals["errored"], totals["incomplete"]) == (0, 0)
-    # guidellm 0.8.1 may cancel, at its max_requests stop, a request it had not yet sent, and its
-    # report leaves such requests out: what it sent must all succeed and match the server.
+    # guidellm 0.8.1 may leave one request out of its report: one it cancelled unsent at its
+    # max_requests stop, or one whose completion its scheduler took for a duplicate (the server
+    # served it). What it reports must have succeeded; the server served that, and at most the
+    # rest, each with exactly the tokens asked.
     successful = totals["successful"]
     assert PROMPTS - 1 <= successful <= PROMPTS
-    generated = metrics["output_token_count"]["successful"]["total_sum"]
-    assert generated == successful * OUTPUT_LEN
-    assert served.requests == successful
-    assert served.generated == generated
-    assert served.prompt_tokens == metrics["prompt_token_count"]["successful"]["total_sum"]
+    assert metrics["output_token_count"]["successful"]["total_sum"] == successful * OUTPUT_LEN
+    assert successful <= served.requests <= PROMPTS
+    assert served.generated == served.requests * OUTPUT_LEN
+    if served.requests == successful:
+        prompts = metrics["prompt_token_count"]["successful"]["total_sum"]
+        assert served.prompt_tokens == prompts
     ttft_ms = metrics["time_to_first_token_ms"]["successful"]["mean"]
     report("guidellm", ttft_ms, served)
     assert within(ttft_ms, served.mean_ttft_ms)
