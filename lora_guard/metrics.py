@@ -156,11 +156,11 @@ class MetricsPlugin:
         self._last_preemptions = 0
         self._last_changed_on_disk = 0
         self._resident_key: tuple[Any, ...] | None = None
-        self._loaded: set[tuple[str, str, str, str]] = set()
+        self._loaded: set[tuple[str, ...]] = set()
         self.max_loras = 0
         self.model_name = ""  # the served base model, set by the server once it is known
         self._counted_model = ""
-        self._resident: set[tuple[str, str, str]] = set()
+        self._resident: set[tuple[str, ...]] = set()
         self._lora_info: tuple[str, str, str] | None = None
         self.counter: dict[str, Counter] = {}
         self.gauge: dict[str, Gauge] = {}
@@ -317,42 +317,35 @@ class MetricsPlugin:
             return
         self._resident_key = key
 
-        def labels(adapter_id: str, tier: str) -> tuple[str, str, str]:
+        def labels(adapter_id: str, tier: str) -> tuple[str, ...]:
             return adapter_id, tier, "true" if adapter_id in state.pinned else "false"
 
         in_slots = {a for a in device if a is not None}
         resident = {labels(a, "device") for a in in_slots}
         resident.update(labels(a, "host") for a in state.host_adapters if a not in in_slots)
-        gauge = self.gauge["lora_guard_adapter_resident"]
-        for series in resident - self._resident:
-            gauge.labels(*series).set(1)
-        for series in self._resident - resident:
-            gauge.remove(*series)
-        self._resident = resident
+        self._resident = present(
+            self.gauge["lora_guard_adapter_resident"], self._resident, resident
+        )
 
     def _update_loaded(self, state: EngineState) -> None:
         """vLLM's residency gauges, as routers read them (llm-d's load-state scorer)."""
         in_pool = {v.adapter_id for v in state.slots if v.adapter_id is not None}
 
-        def series(adapter_id: str, level: str) -> tuple[str, str, str, str]:
+        def series(adapter_id: str, level: str) -> tuple[str, ...]:
             pinned = "true" if adapter_id in state.pinned else "false"
             return adapter_id, level, pinned, str(state.adapter_ranks.get(adapter_id, ""))
 
         loaded = {series(a, "gpu") for a in in_pool}
         loaded.update(series(a, "cpu") for a in state.host_adapters if a not in in_pool)
-        gauge = self.gauge["vllm:lora_adapter_loaded"]
-        for labels in loaded - self._loaded:
-            gauge.labels(*labels).set(1)
-        for labels in self._loaded - loaded:
-            gauge.remove(*labels)
-        self._loaded = loaded
+        self._loaded = present(self.gauge["vllm:lora_adapter_loaded"], self._loaded, loaded)
         counts = {
             "vllm:num_gpu_loaded_lora_adapters": len(in_pool),
             "vllm:num_cpu_loaded_lora_adapters": len(state.host_adapters),
             "vllm:max_gpu_lora_adapters": pool_capacity(state, self.max_loras),
         }
+        renamed = self.model_name != self._counted_model
         for name, value in counts.items():
-            if self.model_name != self._counted_model:
+            if renamed:
                 self.gauge[name].clear()  # named after the first steps: no series for ""
             self.gauge[name].labels(model_name=self.model_name).set(value)
         self._counted_model = self.model_name
@@ -365,6 +358,18 @@ class MetricsPlugin:
             if self._lora_info is not None:
                 gauge.remove(*self._lora_info)
             self._lora_info = labels
+
+
+def present(
+    gauge: Gauge, shown: set[tuple[str, ...]], now: set[tuple[str, ...]]
+) -> set[tuple[str, ...]]:
+    """A gauge of one series at 1 for each label set in ``now``: those new are added, those gone
+    removed (``shown``: the label sets shown so far). Returns ``now``."""
+    for labels in now - shown:
+        gauge.labels(*labels).set(1)
+    for labels in shown - now:
+        gauge.remove(*labels)
+    return now
 
 
 def pool_capacity(state: EngineState, max_loras: int) -> int:

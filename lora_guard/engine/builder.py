@@ -108,10 +108,13 @@ def engine_from_config(
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    found = [
-        CachePool.pages_for(layer_elements(registry.require(a).path).values(), lora_page_elems)
-        for a in registry
-    ]
+
+    def found() -> list[int]:  # each adapter's pages, from its weights file's header
+        return [
+            CachePool.pages_for(layer_elements(registry.require(a).path).values(), lora_page_elems)
+            for a in registry
+        ]
+
     size = size_pool(config, page_bytes, max_model_len(config, spec, num_pages=None), found)
     log.info("cache pool %s", size.how)
     num_pages = size.nbytes // page_bytes

@@ -10,7 +10,7 @@ as the cache uses it (:func:`lora_guard.engine.lora.pool.zeroed`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lora_guard.engine.config import DEFAULT_CACHE_SHARE, EngineConfig, free_memory
@@ -25,17 +25,21 @@ class PoolSize:
 
 
 def size_pool(
-    config: EngineConfig, page_bytes: int, context: int, adapter_pages: Sequence[int]
+    config: EngineConfig,
+    page_bytes: int,
+    context: int,
+    adapter_pages: Callable[[], Sequence[int]],
 ) -> PoolSize:
     """The pool's bytes: the size set, else the need of ``config.max_num_seqs`` requests of
-    ``context`` tokens and of the adapters found (``adapter_pages``: each one's pages), capped
-    by a share of free memory."""
+    ``context`` tokens and of the adapters found (``adapter_pages()``: each one's pages, read
+    only when no size is set), capped by a share of free memory."""
     given = config.cache_bytes()
     if given is not None:
         return PoolSize(given, f"{show(given)}, as set")
-    seats = config.max_loras or min(len(adapter_pages), config.max_cpu_loras)
+    found = adapter_pages()
+    seats = config.max_loras or min(len(found), config.max_cpu_loras)
     kv = config.max_num_seqs * -(-context // config.block_size) * page_bytes
-    adapters = seats * max(adapter_pages, default=0) * page_bytes
+    adapters = seats * max(found, default=0) * page_bytes
     need = kv + adapters
     why = (
         f"KV for {config.max_num_seqs} requests of {context} tokens ({show(kv)}) and "

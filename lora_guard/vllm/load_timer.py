@@ -75,8 +75,12 @@ def loads_file(vllm_config: Any) -> Path | None:
     if "lora_guard" not in str(scheduler):
         return None
     backend = getattr(vllm_config.parallel_config, "distributed_executor_backend", None)
-    engine_core = os.getppid() if backend == "mp" else os.getpid()  # mp: a worker process
-    return channel.channel_dir(_parent_of(engine_core)) / LOADS_FILE
+    if backend != "mp":  # the worker runs in the engine core, where the scheduler runs
+        return channel.channel_dir(channel.front_end_pid()) / LOADS_FILE
+    engine_core = os.getppid()  # a worker process of the engine core's
+    in_front_end = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+    front_end = engine_core if in_front_end else _parent_of(engine_core)
+    return channel.channel_dir(front_end) / LOADS_FILE
 
 
 def _parent_of(pid: int) -> int:

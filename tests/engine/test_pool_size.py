@@ -64,7 +64,7 @@ def test_a_size_set_is_the_size(tiny_model: Path) -> None:
 
 def test_a_need_beyond_a_quarter_of_free_memory_is_capped() -> None:
     config = EngineConfig(model="unused", max_num_seqs=10**6, device="cpu")
-    size = size_pool(config, page_bytes=2**20, context=8192, adapter_pages=[3, 5])
+    size = size_pool(config, page_bytes=2**20, context=8192, adapter_pages=lambda: [3, 5])
     assert 0 < size.nbytes <= free_memory(torch.device("cpu")) * DEFAULT_CACHE_SHARE
     assert "a quarter of the" in size.how and "--cache-memory" in size.how
 

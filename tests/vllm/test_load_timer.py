@@ -5,6 +5,7 @@ nothing for one already active, nothing under another scheduler. Inside a real v
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -93,3 +94,17 @@ def test_under_another_scheduler_nothing_is_written(fake_vllm: Path) -> None:
     worker = LRUCacheWorkerLoRAManager(config("vllm.v1.core.sched.scheduler.Scheduler"))
     worker.add_adapter(SimpleNamespace(lora_name="a", lora_int_id=1))
     assert not fake_vllm.exists()
+
+
+def test_a_worker_finds_the_schedulers_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the engine core (vLLM's uni executor) the worker's folder is the scheduler's; a worker
+    process of an in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) takes its parent's
+    process id as the front end's."""
+    monkeypatch.delenv(channel.DIR_ENV, raising=False)
+    uni = config("lora_guard.vllm.AsyncScheduler")
+    assert (
+        load_timer.loads_file(uni) == channel.channel_dir(channel.front_end_pid()) / "loads.jsonl"
+    )
+    uni.parallel_config.distributed_executor_backend = "mp"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    assert load_timer.loads_file(uni) == channel.channel_dir(os.getppid()) / "loads.jsonl"

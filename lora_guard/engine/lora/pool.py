@@ -77,6 +77,7 @@ class AdapterLayout:
     num_pages: int
     placements: tuple[_Placement, ...]
     nbytes: int  # bytes of its weights (without the rounding up to pages)
+    rank: int  # the largest rank over its modules
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -163,7 +164,8 @@ class CachePool:
                     b_used[layer] += b.numel()
                     elems += a.numel() + b.numel()
         num_pages = self.pages_for(zip(a_used, b_used, strict=True), self.lora_page_elems)
-        return AdapterLayout(num_pages, tuple(placements), elems * self.lora_dtype.itemsize)
+        rank = max((p.rank for p in placements), default=0)
+        return AdapterLayout(num_pages, tuple(placements), elems * self.lora_dtype.itemsize, rank)
 
     def write(self, adapter: LoRAAdapter, layout: AdapterLayout, first_page: int) -> None:
         """Copy ``adapter``'s weights into pages ``first_page ...``, as the pages' ``lora_dtype``

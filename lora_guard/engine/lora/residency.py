@@ -169,7 +169,7 @@ class ResidencyManager(Residency):
     def ranks(self) -> dict[str, int]:
         ranks = super().ranks()
         for entry in self.residents():
-            ranks.setdefault(entry.adapter_id, max(p.rank for p in entry.layout.placements))
+            ranks.setdefault(entry.adapter_id, entry.layout.rank)
         return ranks
 
     def pages_by_adapter(self, adapter_ids: Iterable[str]) -> dict[str, int]:
