@@ -28,7 +28,7 @@ from lora_guard.engine.lora.tiers import Lookup, Need, Residency
 from lora_guard.engine.sequence import CacheScope, Sequence, Status
 from lora_guard.plugins.decisions import Defer, Load, Reject
 from lora_guard.plugins.manager import Hooks
-from lora_guard.plugins.state import EngineState
+from lora_guard.plugins.state import EngineState, steps_left
 
 
 @dataclass(slots=True)
@@ -148,6 +148,7 @@ class Scheduler:
                 pool_pages=blocks.num_blocks,
                 block_size=blocks.block_size,
                 adapter_ranks=MappingProxyType(adapters.ranks()),
+                steps_left=MappingProxyType(steps_left(s.view() for s in self.running)),
             )
         return self._state
 

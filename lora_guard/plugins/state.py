@@ -3,7 +3,7 @@ reach into the engine's own objects."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 #: The span of the state's load counts (``cold_loads_in_window``, ``evicting_loads``).
@@ -28,6 +28,17 @@ class RequestView:
     first_token_time: float | None = None
     finished_time: float | None = None
     held_s: float = 0.0  # seconds a policy has left it out of the batch (batch form) so far
+
+
+def steps_left(running: Iterable[RequestView]) -> dict[str, int]:
+    """For each adapter of ``running``, the steps until its last request ends at its
+    ``max_new_tokens`` (a request with no output yet has its prompt to read: one step more)."""
+    left: dict[str, int] = {}
+    for r in running:
+        if r.adapter_id is not None:
+            steps = max(r.max_new_tokens - r.num_output_tokens, 0) + (r.num_output_tokens == 0)
+            left[r.adapter_id] = max(left.get(r.adapter_id, 0), steps)
+    return left
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +94,9 @@ class EngineState:
     :param pool_pages: pages of the whole cache pool (KV blocks and adapter pages).
     :param block_size: tokens of KV a page holds.
     :param adapter_ranks: the largest rank of each adapter in the pool or in host memory.
+    :param steps_left: for each adapter running requests use, the steps until the last of them
+        ends if each runs to its ``max_new_tokens`` (one token a step, a prompt not yet read one
+        step more): when its seat frees without an eviction (:func:`steps_left`).
     :param reads_in_background: a cold adapter is read from disk beside the steps (the bundled
         engine's loader thread), so its requests cannot run until the read ends; False where
         the step that needs it reads it (inside vLLM).
@@ -115,6 +129,7 @@ class EngineState:
     block_size: int = 16
     adapter_ranks: Mapping[str, int] = field(default_factory=dict)
     reads_in_background: bool = True
+    steps_left: Mapping[str, int] = field(default_factory=dict)
 
     def slot_of(self, adapter_id: str) -> int | None:
         for view in self.slots:

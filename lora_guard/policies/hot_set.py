@@ -12,10 +12,13 @@ holds with its next tokens (the working set; pages not yet needed are not reserv
 scheduler); a request whose adapter's pages do not fit waits,
 and the ones behind it may go: a request whose adapter cannot be seated never holds back one
 whose adapter is resident, and one whose adapter is still being read from disk holds nobody's
-place. When only the seats (``max_loras``) are full, the request is offered all the same and
-its adapter takes its turn: once a seat's residency quantum is over, the adapter running
-requests use least valuably leaves for it (they wait, parked, with their KV), as time slices
-do, so a short request for a new adapter never waits for whole long requests of others. A
+place. When only the seats (``max_loras``) are full, the request is offered all the same; if it
+would end before any seated adapter's running requests do (``EngineState.steps_left``), its
+adapter takes its turn: once a seat's residency quantum is over, the adapter running requests
+use least valuably leaves for it (they wait, parked, with their KV), as time slices do, so a
+short request for a new adapter never waits for whole long requests of others. A longer one
+waits for a seat to free: parking running requests for it would cost them a reload each, for
+no request ending sooner. A
 tenant running more than twice its share of the batch (running requests over active tenants)
 goes after every other tenant's requests, and then only while it leaves the pages and the batch
 place of one request for each other tenant with recent traffic. A request that has waited
@@ -29,9 +32,12 @@ To make room, adapters no running request uses leave first, the least heat per p
 one-off request's adapter before a hot one, a large cold adapter before a small cold one, as
 GreedyDual-Size-Frequency); pinned adapters never. With a seat cap, a tenant already holding its
 fair share of the seats may not evict another tenant's hot adapters (the hot set: pinned
-adapters and the ``hot_set_size`` hottest). A request waited on ``max_adapter_wait_s``, a
-parked running one, or one that finds every seat held by running requests' adapters, may also
-displace adapters running requests use (once their quantum is over), so none waits forever; when
+adapters and the ``hot_set_size`` hottest); when every seat is taken and an adapter running
+requests use is colder than every idle one and frees its seat within ``SOON`` steps, a request
+waits for that seat rather than evict a hotter adapter. A request waited on
+``max_adapter_wait_s``, a parked running one, or one that finds every seat held by running
+requests' adapters and would end before any of them, may also displace adapters running
+requests use (once their quantum is over), so none waits forever; when
 no request runs, the first one waiting may displace any adapter but a pinned one (an idle engine
 keeps no seat for traffic that has not come).
 
@@ -61,6 +67,7 @@ from lora_guard.plugins.state import EngineState, RequestView, SlotView
 from lora_guard.policies.victims import plan_load
 
 FLOOD_SHARE = 2.0  # a tenant running more than this times its share of the batch goes last
+SOON = 2  # steps: a request waits for a colder adapter's seat that frees within this many
 
 
 class HotSetPolicy:
@@ -182,7 +189,7 @@ class HotSetPolicy:
         if tier == "cold" or request.adapter_id is None:
             return None  # reading into host memory needs no seat
         forced = parked or self.aged(request, state) or not state.num_running
-        forced = forced or self.seats_full(state)
+        forced = forced or (self.seats_full(state) and self.shorter(request, state))
         victims = self.victims(state, request, forced)
         if self.seats and not state.free_slots and not forced and victims:
             busy = [
@@ -191,9 +198,10 @@ class HotSetPolicy:
                 if v.refs and v.adapter_id is not None and v.adapter_id not in state.pinned
             ]
             busy.sort(key=lambda v: self.density(v, state))
-            if busy and self.density(busy[0], state) < self.density(victims[0], state):
-                # a less used adapter's seat frees when its running requests end: wait for it
-                # rather than evict a hotter one
+            soon = [v for v in busy if state.steps_left.get(v.adapter_id or "", SOON + 1) <= SOON]
+            if soon and self.density(soon[0], state) < self.density(victims[0], state):
+                # a less used adapter's seat frees within a step or two: wait for it rather
+                # than evict a hotter one (waiting longer costs more than a load saves)
                 return Defer("a seat of a less used adapter frees soon")
         return plan_load(state, request, victims)
 
@@ -302,6 +310,16 @@ class HotSetPolicy:
         evict that are not in ``keep`` (the batch being formed)."""
         movable = [v for v in self.victims(state, request, forced) if v.adapter_id not in keep]
         return len(state.free_slots) + len(movable)
+
+    @staticmethod
+    def shorter(request: RequestView, state: EngineState) -> bool:
+        """Whether ``request`` ends before any seat would free on its own (the engine's
+        ``steps_left``; a seat whose end is unknown never frees): then it takes its turn at a
+        seat rather than wait for whole longer requests of others, and a longer one waits for a
+        seat to free instead of parking running requests."""
+        own = max(request.max_new_tokens - request.num_output_tokens, 0) + 1
+        left = [state.steps_left.get(v.adapter_id or "") for v in state.slots]
+        return any(n is None for n in left) or own < min(n for n in left if n is not None)
 
     @staticmethod
     def in_flight(adapter: str, state: EngineState) -> bool:

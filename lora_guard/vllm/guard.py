@@ -30,7 +30,7 @@ from lora_guard.metrics import MetricsPlugin
 from lora_guard.plugins import Defer, Reject
 from lora_guard.plugins.eviction import ResidentView, eviction_order
 from lora_guard.plugins.manager import Hooks
-from lora_guard.plugins.state import EngineState, RequestView, SlotView
+from lora_guard.plugins.state import EngineState, RequestView, SlotView, steps_left
 from lora_guard.vllm import channel
 from lora_guard.vllm.kv_scope import AdapterDigests
 from lora_guard.vllm.load_timer import LOADS_FILE
@@ -244,6 +244,7 @@ class SchedulerGuard:
             pool_pages=self.num_blocks,
             block_size=self.block_size,
             adapter_ranks=MappingProxyType(self.ranks),
+            steps_left=MappingProxyType(steps_left(map(self.view, running))),
         )
 
     # before vLLM's pass

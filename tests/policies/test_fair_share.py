@@ -74,7 +74,8 @@ def test_when_every_seat_is_busy_adapters_take_turns_at_the_quantum() -> None:
 
 def test_a_request_waits_for_a_colder_busy_seat_rather_than_evict_a_hot_idle_adapter() -> None:
     # Seats bind, so heat per seat decides, not per page. a1 is busy but colder than every idle
-    # adapter: b3 waits for a1's seat instead of evicting a hotter one that is idle right now.
+    # adapter, and its request ends within two steps: b3 waits for a1's seat instead of evicting
+    # a hotter one that is idle right now.
     heat = {"a1": 1, "a2": 8, "b1": 7, "b2": 6, "b3": 2}
     policy = HotSetPolicy()
     policy.lora_guard_configure({"max_loras": 4, "hot_set_size": 4})
@@ -93,10 +94,16 @@ def test_a_request_waits_for_a_colder_busy_seat_rather_than_evict_a_hot_idle_ada
         slots=slots,
         heat=heat,
         tenant_heat={(OWNER[a], a): n for a, n in heat.items()},
+        steps_left={"a1": 2},
     )
     request = RequestView("r", "b3", "A", 4, 0, 99.0, 0)
     load = policy.lora_guard_adapter_load
     assert isinstance(load(request=request, tier="warm", state=state, parked=False), Defer)
+    # A seat that frees only after many steps is not worth the wait: waiting costs b3 those
+    # steps, an eviction costs one load if the adapter is asked again. Tenant A holds its
+    # share of the seats (a1, a2), so its own a2 is the idle adapter that goes.
+    later = replace(state, steps_left={"a1": 40})
+    assert load(request=request, tier="warm", state=later, parked=False) == Load(1)
     # Once a1's request has ended, a1's seat is the one that goes.
     idle = replace(state, slots=(replace(slots[0], refs=0), *slots[1:]), num_running=0)
     assert load(request=request, tier="warm", state=idle, parked=False) == Load(0)
