@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from lora_guard.plugins import Defer, Load
-from lora_guard.plugins.state import EngineState, RequestView, SlotView
+from lora_guard.plugins.state import EngineState, RequestView, SlotView, steps_left
 from lora_guard.policies.hot_set import HotSetPolicy
 
 NOW = 100.0
@@ -112,3 +112,31 @@ def test_a_resident_adapters_request_never_waits_behind_a_load_in_flight() -> No
         hot_set.max_loras_per_batch = cap
         chosen = hot_set.lora_guard_batch_form([OLD_A2, NEW_B1], running, loading)
         assert "new-b1" in chosen and "old-a2" in chosen, cap  # a2's read holds no place
+
+
+def test_at_full_seats_only_a_request_shorter_than_every_seated_ones_takes_a_turn() -> None:
+    # Both seats hold adapters whose running requests have 40 (b1) and 300 (c1) steps left, and
+    # their quantum is over (evictable).
+    full = replace(
+        busy_seats(b1_refs=1),
+        slots=(SlotView(0, "b1", 1, 99.0, True, 4), SlotView(1, "c1", 1, 99.0, True, 4)),
+        steps_left=steps_left(
+            [
+                RequestView("run-b1", "b1", "B", 8, 10, NOW - 1, 0, max_new_tokens=50),
+                RequestView("run-c1", "c1", "C", 8, 0, NOW - 1, 0, max_new_tokens=299),
+            ]
+        ),
+    )
+    assert full.steps_left == {"b1": 40, "c1": 300}
+    short = RequestView("short-a2", "a2", "A", 8, 0, NOW - 0.1, 0, max_new_tokens=4)
+    long = RequestView("long-a2", "a2", "A", 8, 0, NOW - 0.1, 0, max_new_tokens=200)
+    # a 4-token request ends before either seat frees: it takes a turn at the seat of the
+    # colder adapter (c1: heat 3 against b1's 9)
+    decision = policy().lora_guard_adapter_load(short, "warm", full, parked=False)
+    assert isinstance(decision, Load) and decision.slot == 1
+    # a 200-token one would park c1's request for no request ending sooner: it waits for b1's
+    # seat, free in 40 steps, and gets no seat now
+    assert not isinstance(policy().lora_guard_adapter_load(long, "warm", full, parked=False), Load)
+    # once it has waited max_adapter_wait_s it takes a turn all the same
+    aged = replace(long, arrival_time=NOW - 9.0)
+    assert isinstance(policy().lora_guard_adapter_load(aged, "warm", full, parked=False), Load)
