@@ -13,12 +13,12 @@ scheduler); a request whose adapter's pages do not fit waits,
 and the ones behind it may go: a request whose adapter cannot be seated never holds back one
 whose adapter is resident, and one whose adapter is still being read from disk holds nobody's
 place. When only the seats (``max_loras``) are full, the request is offered all the same; if it
-would end before any seated adapter's running requests do (``EngineState.steps_left``), its
+would end before some seated adapter's running requests do (``EngineState.steps_left``), its
 adapter takes its turn: once a seat's residency quantum is over, the adapter running requests
 use least valuably leaves for it (they wait, parked, with their KV), as time slices do, so a
-short request for a new adapter never waits for whole long requests of others. A longer one
-waits for a seat to free: parking running requests for it would cost them a reload each, for
-no request ending sooner. A
+short request for a new adapter never waits for whole long requests of others. One longer
+than every seated adapter's requests waits for a seat to free: parking running requests for it
+would cost them a reload each, for no request ending sooner. A
 tenant running more than twice its share of the batch (running requests over active tenants)
 goes after every other tenant's requests, and then only while it leaves the pages and the batch
 place of one request for each other tenant with recent traffic. A request that has waited
@@ -36,7 +36,7 @@ adapters and the ``hot_set_size`` hottest); when every seat is taken and an adap
 requests use is colder than every idle one and frees its seat within ``SOON`` steps, a request
 waits for that seat rather than evict a hotter adapter. A request waited on
 ``max_adapter_wait_s``, a parked running one, or one that finds every seat held by running
-requests' adapters and would end before any of them, may also displace adapters running
+requests' adapters and would end before some of them, may also displace adapters running
 requests use (once their quantum is over), so none waits forever; when
 no request runs, the first one waiting may displace any adapter but a pinned one (an idle engine
 keeps no seat for traffic that has not come).
@@ -313,13 +313,13 @@ class HotSetPolicy:
 
     @staticmethod
     def shorter(request: RequestView, state: EngineState) -> bool:
-        """Whether ``request`` ends before any seat would free on its own (the engine's
+        """Whether ``request`` ends before some seat would free on its own (the engine's
         ``steps_left``; a seat whose end is unknown never frees): then it takes its turn at a
-        seat rather than wait for whole longer requests of others, and a longer one waits for a
-        seat to free instead of parking running requests."""
+        seat rather than wait for whole longer requests of others; one longer than every
+        seated adapter's running requests waits for a seat to free instead of parking them."""
         own = max(request.max_new_tokens - request.num_output_tokens, 0) + 1
         left = [state.steps_left.get(v.adapter_id or "") for v in state.slots]
-        return any(n is None for n in left) or own < min(n for n in left if n is not None)
+        return any(n is None or own < n for n in left)
 
     @staticmethod
     def in_flight(adapter: str, state: EngineState) -> bool:

@@ -114,7 +114,7 @@ def test_a_resident_adapters_request_never_waits_behind_a_load_in_flight() -> No
         assert "new-b1" in chosen and "old-a2" in chosen, cap  # a2's read holds no place
 
 
-def test_at_full_seats_only_a_request_shorter_than_every_seated_ones_takes_a_turn() -> None:
+def test_a_turn_at_full_seats_only_for_a_request_ending_before_a_seated_ones() -> None:
     # Both seats hold adapters whose running requests have 40 (b1) and 300 (c1) steps left, and
     # their quantum is over (evictable).
     full = replace(
@@ -129,13 +129,16 @@ def test_at_full_seats_only_a_request_shorter_than_every_seated_ones_takes_a_tur
     )
     assert full.steps_left == {"b1": 40, "c1": 300}
     short = RequestView("short-a2", "a2", "A", 8, 0, NOW - 0.1, 0, max_new_tokens=4)
-    long = RequestView("long-a2", "a2", "A", 8, 0, NOW - 0.1, 0, max_new_tokens=200)
+    long = RequestView("long-a2", "a2", "A", 8, 0, NOW - 0.1, 0, max_new_tokens=400)
     # a 4-token request ends before either seat frees: it takes a turn at the seat of the
     # colder adapter (c1: heat 3 against b1's 9)
     decision = policy().lora_guard_adapter_load(short, "warm", full, parked=False)
     assert isinstance(decision, Load) and decision.slot == 1
-    # a 200-token one would park c1's request for no request ending sooner: it waits for b1's
-    # seat, free in 40 steps, and gets no seat now
+    # so does a 200-token one, which ends before c1's request
+    medium = replace(short, max_new_tokens=200)
+    assert isinstance(policy().lora_guard_adapter_load(medium, "warm", full, parked=False), Load)
+    # a 400-token one would park a request that ends sooner than it: it waits for b1's seat,
+    # free in 40 steps, and gets no seat now
     assert not isinstance(policy().lora_guard_adapter_load(long, "warm", full, parked=False), Load)
     # once it has waited max_adapter_wait_s it takes a turn all the same
     aged = replace(long, arrival_time=NOW - 9.0)
