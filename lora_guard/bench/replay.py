@@ -259,6 +259,7 @@ def _replay(
                 heapq.heappush(due, (now + out.retry_after, tiebreak, record.id))
                 continue
             record.finish, record.tokens, record.error = now, list(out.token_ids), out.error
+            record.held_s += out.held_s
             open_requests -= 1
         if not outputs:
             time.sleep(_IDLE_WAIT_S)  # waiting for an adapter read

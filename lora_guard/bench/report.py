@@ -99,6 +99,9 @@ def summarize(
         "ttft_p50_ms": percentile(ttft, 50),
         "ttft_p95_ms": percentile(ttft, 95),
         "ttft_max_ms": max(ttft) if ttft else None,  # the longest any request waited
+        # left out of the batch by a policy (hot-set's hold-backs), apart from the adapter wait;
+        # None where no engine step was recorded here (a peer, a remote target)
+        "held_ms_p95": percentile([r.held_s * 1000 for r in done], 95) if run.steps else None,
         "tokens_per_s": tokens / span if span > 0 else None,
         "generated_tokens": tokens,
         **hit_rates(run),
@@ -209,6 +212,7 @@ _COLUMNS = (
     ("swap ms p95", "swap_ms_p95"),
     ("adapter wait ms p50", "adapter_wait_ms_p50"),
     ("adapter wait ms p95", "adapter_wait_ms_p95"),
+    ("held ms p95", "held_ms_p95"),
     ("tail tok/s", "tail_tokens_per_s"),
     ("decode tail tok/s", "decode_tail_tokens_per_s"),
     ("median tok/s", "median_tokens_per_s"),
