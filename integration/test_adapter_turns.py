@@ -1,6 +1,6 @@
 """More adapters in use than seats, through the server with the default policies: a short request
 for a seventh adapter, sent while two of six long requests on six others run in the two seats,
-ends before any long one, since a request shorter than every seated adapter's remaining work
+ends before any long one, since a request shorter than a seated adapter's remaining work
 takes its turn at a seat once the residency quantum (10 ms here) is over instead of waiting for
 whole long requests; how long the policies held each request back is on /metrics."""
 

@@ -29,15 +29,20 @@ class RequestView:
     finished_time: float | None = None
     held_s: float = 0.0  # seconds a policy has left it out of the batch (batch form) so far
 
+    @property
+    def steps_to_end(self) -> int:
+        """Steps until it ends at its ``max_new_tokens``, one token a step (with no output yet,
+        one step more for its prompt)."""
+        return max(self.max_new_tokens - self.num_output_tokens, 0) + (self.num_output_tokens == 0)
+
 
 def steps_left(running: Iterable[RequestView]) -> dict[str, int]:
-    """For each adapter of ``running``, the steps until its last request ends at its
-    ``max_new_tokens`` (a request with no output yet has its prompt to read: one step more)."""
+    """For each adapter of ``running``, the steps until its last request ends
+    (:attr:`RequestView.steps_to_end`)."""
     left: dict[str, int] = {}
     for r in running:
         if r.adapter_id is not None:
-            steps = max(r.max_new_tokens - r.num_output_tokens, 0) + (r.num_output_tokens == 0)
-            left[r.adapter_id] = max(left.get(r.adapter_id, 0), steps)
+            left[r.adapter_id] = max(left.get(r.adapter_id, 0), r.steps_to_end)
     return left
 
 

@@ -317,9 +317,8 @@ class HotSetPolicy:
         ``steps_left``; a seat whose end is unknown never frees): then it takes its turn at a
         seat rather than wait for whole longer requests of others; one longer than every
         seated adapter's running requests waits for a seat to free instead of parking them."""
-        own = max(request.max_new_tokens - request.num_output_tokens, 0) + 1
         left = [state.steps_left.get(v.adapter_id or "") for v in state.slots]
-        return any(n is None or own < n for n in left)
+        return any(n is None or request.steps_to_end < n for n in left)
 
     @staticmethod
     def in_flight(adapter: str, state: EngineState) -> bool:
