@@ -41,6 +41,7 @@ from lora_guard.cost_profiles import PROFILES, Profile, profile, profiles_help
 from lora_guard.plugins import hookimpl
 from lora_guard.simulate_costs import MIB, Costs, read_costs
 from lora_guard.workload.bounds import compulsory_hit_bound
+from lora_guard.workload.spec import PROMPT_WORDS
 from lora_guard.workload.stats import percentile
 from lora_guard.workload.trace import (
     SCENARIOS,
@@ -900,11 +901,8 @@ def _make_bench(
     """A tiny model of the profile's proportions and the study's adapters: mixed ranks and
     targets for ``pressure``, ``public`` and a trace, ranks 4-16 on every projection otherwise."""
     from lora_guard.demo.adapters import make_adapters, named_specs, write_adapters
-    from lora_guard.demo.testing import make_tiny_llama
 
-    model = make_tiny_llama(
-        tmp / "model", max_position_embeddings=4096, **chosen.shape.tiny_config()
-    )
+    model = tiny_model(tmp / "model", chosen)
     out = tmp / "adapters"
     if args.trace:
         folders = write_adapters(model, out, named_specs(trace_ranks(args.trace)), strength=0.5)
@@ -920,6 +918,17 @@ def _make_bench(
     sizes = {f.name: weight_bytes(f) for f in folders}
     ids = [f.name for f in folders]
     return Bench(model, out, ids, chosen, costs, args.max_loras, chosen.shape.scale(model), sizes)
+
+
+def tiny_model(out: Path, chosen: Profile) -> Path:
+    """A random model of the profile's proportions whose tokenizer learnt the words the bench's
+    prompts are made of, so a prompt takes about as many tokens as on a real model."""
+    from lora_guard.demo.testing import make_tiny_llama
+
+    config = chosen.shape.tiny_config()
+    return make_tiny_llama(
+        out, max_position_embeddings=4096, tokenizer_words=PROMPT_WORDS, **config
+    )
 
 
 def weight_bytes(folder: Path) -> int:

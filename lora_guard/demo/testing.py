@@ -46,8 +46,11 @@ User: hello. Assistant: hello, how can I help you today? System: you are a helpf
 """
 
 
-def make_tiny_tokenizer(out: Path, vocab_size: int = 384) -> Any:
-    """Train a byte-level BPE tokenizer with ChatML special tokens and save it into ``out``."""
+def make_tiny_tokenizer(out: Path, vocab_size: int = 384, words: Sequence[str] = ()) -> Any:
+    """Train a byte-level BPE tokenizer with ChatML special tokens and save it into ``out``.
+
+    ``words`` are learnt whole, as a real model's tokenizer learns common words (the vocabulary
+    grows to hold them): text made of them takes about as many tokens as on a real model."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -55,12 +58,13 @@ def make_tiny_tokenizer(out: Path, vocab_size: int = 384) -> Any:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size + 16 * len(words),
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_CORPUS.splitlines() * 4, trainer=trainer)
+    lines = _CORPUS.splitlines() * 4 + [" ".join(words)] * 64
+    tokenizer.train_from_iterator(lines, trainer=trainer)
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token="<|im_start|>",
@@ -84,18 +88,19 @@ def make_tiny_llama(
     num_key_value_heads: int = 2,
     tie_word_embeddings: bool = True,
     initializer_range: float = 0.2,
+    tokenizer_words: Sequence[str] = (),
     **config_overrides: Any,
 ) -> Path:
     """Save a random float32 Llama checkpoint (safetensors + tokenizer + chat template) to ``out``.
 
     ``initializer_range`` is larger than a trained model's so that greedy decoding has clear
-    winners rather than near-ties.
+    winners rather than near-ties. ``tokenizer_words``: words its tokenizer learns whole.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = make_tiny_tokenizer(out)
+    tokenizer = make_tiny_tokenizer(out, words=tokenizer_words)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

@@ -13,6 +13,9 @@ _WORD_LIST = (
     "journey kettle ladder mirror needle ocean pencil quarry ribbon saddle timber valley"
 )
 _WORDS = _WORD_LIST.split()
+#: every word a made-up prompt is built of: a model trained to tokenize like a real model's
+#: tokenizer learns these whole (``make_tiny_tokenizer``'s ``words``)
+PROMPT_WORDS = (*_WORDS, "Tenant", "User:", "Question:", "Assistant:", "Request:", "Sure.")
 
 
 class TraceError(ValueError):

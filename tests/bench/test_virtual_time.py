@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from lora_guard.bench.virtual_time import lora_guard_ratios, main
+from lora_guard.bench.virtual_time import lora_guard_ratios, main, tiny_model
 from lora_guard.cost_profiles import profile
-from lora_guard.workload.trace import TraceError
+from lora_guard.demo.paths import DemoPaths
+from lora_guard.workload.spec import WorkloadSpec
+from lora_guard.workload.trace import TraceError, make_trace, pressure_spec, public_spec
 
 ARGS = [
     "--requests",
@@ -173,3 +175,20 @@ def test_lora_guard_is_compared_per_seed_with_its_best_rival_then_the_median() -
     assert best["range"] == [0.5, 1.2]
     assert ratios["best rival tail_tokens_per_s"]["per_seed"] == [1.5, 0.5, 0.5]
     assert ratios["lru ttft_p95"]["median"] == 0.9
+
+
+@pytest.mark.parametrize("scenario", ["pressure", "public"])
+def test_a_prompt_takes_as_many_tokens_as_on_the_demo_model(
+    scenario: str, demo: DemoPaths, tmp_path: Path
+) -> None:
+    """The tiny model stands for the profile's model: a prompt that took 4x the tokens would
+    model 4x the prefill and the KV of what a server gets."""
+    from transformers import AutoTokenizer
+
+    spec = WorkloadSpec(requests=200, scenario=scenario)
+    spec = pressure_spec(spec) if scenario == "pressure" else public_spec(spec)
+    prompts = [r.prompt for r in make_trace(spec, [f"a{i}" for i in range(spec.adapters)])]
+    tiny = AutoTokenizer.from_pretrained(tiny_model(tmp_path / "model", profile("cpu-demo")))
+    real = AutoTokenizer.from_pretrained(demo.model_dir)
+    ours, theirs = (sum(len(t.encode(p)) for p in prompts) for t in (tiny, real))
+    assert 0.9 <= ours / theirs <= 1.1, (ours, theirs)
