@@ -68,7 +68,7 @@ SCHEMES: dict[str, str | None] = {
 #: every seat count of ``SEATS`` the pool can hold, and reported at its best (an operator's
 #: tuning); the sweep is in the JSON.
 SEATED = ("as-vllm", "as-sglang")
-SEATS = (2, 4, 8, 16)
+SEATS = (1, 2, 4, 8, 16)
 #: every adapter the trace names pinned in pages added to the pool, so the KV keeps its room: the
 #: latency no residency policy can beat on that pool (loads and adapter waits cost nothing)
 ALL_RESIDENT = "all-resident"

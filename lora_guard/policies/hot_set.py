@@ -1,18 +1,16 @@
-"""Hot-set admission: admit only the adapters the pool can hold beside the KV of the batch, keep
-the pages worth the most per page resident, keep one tenant's flood from crowding out the
-others, and bound how long any request waits.
+"""Hot-set admission: seat the adapters worth the most, keep the pages worth the most per page
+resident, keep one tenant's flood from crowding out the others, and bound how long any request
+waits.
 
 Adapters cannot be served from outside the pool: each running request needs its adapter resident
-at every step it computes. Admitting requests for more adapters than fit beside the batch's KV
-makes the engine rotate them step by step (parking requests, loading again what it just
-evicted): the thrash of the regime where adapters outnumber memory. So batch form offers a
-waiting request, first come first served, when its adapter is resident or running already, or
-when its pages fit in the pool beside the adapters the running batch uses and the KV that batch
-holds with its next tokens (the working set; pages not yet needed are not reserved, as in vLLM's
-scheduler); a request whose adapter's pages do not fit waits,
-and the ones behind it may go: a request whose adapter cannot be seated never holds back one
-whose adapter is resident, and one whose adapter is still being read from disk holds nobody's
-place. When only the seats (``max_loras``) are full, the request is offered all the same; if it
+at every step it computes. Batch form offers waiting requests first come first served; one whose
+adapter cannot be brought in yet (its pages find no room but that of adapters running requests
+use) waits for its adapter (``adapter_load`` defers it) and never holds back one behind it whose
+adapter is resident; one whose adapter is still being read from disk holds nobody's place.
+Nothing is held back for pages or KV it might need: holding requests until their adapter's pages
+and their KV fit beside the running batch cost the tail more than the thrash it avoided (under
+``pressure``, lora-guard's TTFT p95 1.29x LRU's with the hold, 0.97x without; docs/benchmarks.md).
+When the seats (``max_loras``) are full, the request is offered all the same; if it
 would end before some seated adapter's running requests do (``EngineState.steps_left``), its
 adapter takes its turn: once a seat's residency quantum is over, the adapter running requests
 use least valuably leaves for it (they wait, parked, with their KV), as time slices do, so a
@@ -20,12 +18,13 @@ short request for a new adapter never waits for whole long requests of others. O
 than every seated adapter's requests waits for a seat to free: parking running requests for it
 would cost them a reload each, for no request ending sooner. A
 tenant running more than twice its share of the batch (running requests over active tenants)
-goes after every other tenant's requests, and then only while it leaves the pages and the batch
-place of one request for each other tenant with recent traffic. A request that has waited
-``max_adapter_wait_s`` goes ahead of all, and no request for an adapter outside the working set
-is admitted before it; when its adapter cannot be seated, the running adapter it would displace
-first takes no new requests until its running ones end (it drains), so the wait stays bounded
-even where running requests cannot be parked (inside vLLM).
+goes after every other tenant's requests, and then only while it leaves a batch place
+(``max_num_seqs``) for one request of each other tenant with recent traffic. A request that has
+waited ``max_adapter_wait_s`` goes ahead of all, and no request for an adapter outside the
+working set (the adapters running requests use) is admitted before it; when its adapter cannot
+be seated, the running adapter it would displace first takes no new requests until its running
+ones end (it drains), so the wait stays bounded even where running requests cannot be parked
+(inside vLLM).
 
 Heat is the number of requests per adapter over a sliding window (the engine's, ``heat_window_s``).
 To make room, adapters no running request uses leave first, the least heat per page first (a
@@ -222,10 +221,7 @@ class HotSetPolicy:
     def lora_guard_batch_form(
         self, waiting: Sequence[RequestView], running: Sequence[RequestView], state: EngineState
     ) -> list[str]:
-        pages = state.adapter_pages
         working = {r.adapter_id for r in running if r.adapter_id is not None}
-        kv = sum(self.kv_pages(r, state) for r in running)
-        room = state.pool_pages - kv - sum(pages.get(a, 0) for a in working)
         served = Counter(r.tenant_id for r in running)
         tenants = {r.tenant_id for r in (*running, *waiting)}
         share = FLOOD_SHARE * max(len(running), 1) / max(len(tenants), 1)
@@ -251,11 +247,8 @@ class HotSetPolicy:
                 if group is not later and flooding(r.tenant_id):
                     later.append(r)
                     continue
-                need = self.kv_pages(r, state)
-                if group is later and not self.leaves_room(r, need, room, running, chosen, state):
+                if group is later and not self.leaves_places(r, running, chosen, state):
                     continue
-                if need > room and (chosen or running):
-                    continue  # its KV would squeeze the working set's adapters
                 adapter = r.adapter_id
                 if (
                     adapter is not None
@@ -268,10 +261,9 @@ class HotSetPolicy:
                 joins = adapter is not None and adapter not in working
                 if joins:
                     assert adapter is not None
-                    extra = pages.get(adapter, 0)
                     seats = self.seats or math.inf  # 0: no seat cap, the pages decide
-                    room_fits = extra + need <= room and len(working) < cap
-                    fits = room_fits and len(working | pinned | {adapter}) <= seats
+                    under_cap = len(working) < cap
+                    fits = under_cap and len(working | pinned | {adapter}) <= seats
                     seats_it = adapter not in resident
                     if fits and seats_it and self.seats:
                         idle = not (running or chosen)  # keeps no seat for traffic to come
@@ -280,15 +272,13 @@ class HotSetPolicy:
                         if r in aged and not blocked:
                             draining = self.drain_for(state, r, working)
                         blocked = blocked or r in aged
-                        if room_fits and not blocked:
+                        if under_cap and not blocked:
                             # only the seats are full: it takes its turn once a seat's quantum
                             # is over (``adapter_load``), as time slices do
                             chosen.append(r.request_id)
                         continue
                     working.add(adapter)
                     seated += seats_it
-                    room -= extra
-                room -= need
                 chosen.append(r.request_id)
                 served[r.tenant_id] += 1
         return chosen
@@ -327,27 +317,18 @@ class HotSetPolicy:
         cold = adapter not in state.host_adapters and state.reads_in_background
         return adapter in state.loading or cold
 
-    def leaves_room(
+    def leaves_places(
         self,
         request: RequestView,
-        need: int,
-        room: int,
         running: Sequence[RequestView],
         chosen: list[str],
         state: EngineState,
     ) -> bool:
-        """Whether a flooding tenant's ``request`` leaves the pages and the batch place of one
-        such request for every other tenant with traffic in the heat window."""
+        """Whether a flooding tenant's ``request`` leaves a batch place (``max_num_seqs``) for
+        one request of every other tenant with traffic in the heat window."""
         others = len({t for t, _ in state.tenant_heat} - {request.tenant_id})
         busy = len(running) + len(chosen) + 1 + others
-        return need * (1 + others) <= room and not (self.max_num_seqs and busy > self.max_num_seqs)
-
-    @staticmethod
-    def kv_pages(request: RequestView, state: EngineState) -> int:
-        """The KV pages ``request`` holds with its next token (what it needs now: a page not
-        yet needed is not reserved, as vLLM's scheduler does)."""
-        tokens = request.num_prompt_tokens + request.num_output_tokens + 1
-        return -(-tokens // max(state.block_size, 1))
+        return not (self.max_num_seqs and busy > self.max_num_seqs)
 
 
 def _owner(state: EngineState, adapter: str | None) -> str | None:

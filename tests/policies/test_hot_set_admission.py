@@ -143,3 +143,24 @@ def test_a_turn_at_full_seats_only_for_a_request_ending_before_a_seated_ones() -
     # once it has waited max_adapter_wait_s it takes a turn all the same
     aged = replace(long, arrival_time=NOW - 9.0)
     assert isinstance(policy().lora_guard_adapter_load(aged, "warm", full, parked=False), Load)
+
+
+def test_no_request_is_held_back_for_pages_it_would_need_without_a_seat_cap() -> None:
+    """A pool all but full of the running batch's KV and adapter pages: the request for a cold
+    adapter is offered all the same and waits for its adapter's room at load time, where LRU
+    waits too (holding it at batch form cost the `pressure` tail 1.29x LRU's)."""
+    hot_set = HotSetPolicy()
+    hot_set.lora_guard_configure({})  # the defaults: no seat cap
+    full = replace(
+        state(running=1),
+        slots=(SlotView(0, "a0", 1, 99.0, False, 4),),
+        pinned=frozenset(),
+        free_pages=1,
+        kv_share=0.95,
+        pool_pages=100,
+    )
+    running = [replace(request("run-a0", "a0", "A", NOW - 2.0), num_prompt_tokens=1500)]
+    waiting = [request("new-a2", "a2", "A", NOW - 0.5), request("new-a0", "a0", "A", NOW - 0.2)]
+    assert hot_set.lora_guard_batch_form(waiting, running, full) == ["new-a2", "new-a0"]
+    decision = hot_set.lora_guard_adapter_load(waiting[0], "warm", full, parked=False)
+    assert isinstance(decision, Defer), "no room but a running adapter's: it waits for its load"
