@@ -58,7 +58,7 @@ def make_tiny_tokenizer(out: Path, vocab_size: int = 384, words: Sequence[str] =
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size + 16 * len(words),
+        vocab_size=vocab_size + 16 * len(words),  # room for each word's merges
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,

@@ -261,7 +261,7 @@ class HotSetPolicy:
                 joins = adapter is not None and adapter not in working
                 if joins:
                     assert adapter is not None
-                    seats = self.seats or math.inf  # 0: no seat cap, the pages decide
+                    seats = self.seats or math.inf  # 0: no seat cap, the pages decide at load
                     under_cap = len(working) < cap
                     fits = under_cap and len(working | pinned | {adapter}) <= seats
                     seats_it = adapter not in resident
