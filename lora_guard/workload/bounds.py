@@ -84,6 +84,30 @@ def known_popularity_hit_rate(trace: Sequence[object], slots: int) -> float:
     return best / len(trace)
 
 
+def independent_optimum_hit_rate(
+    trace: Sequence[object], slots: int, weights: dict[object, float]
+) -> float:
+    """The hit rate on ``trace`` of the best online policy when requests are drawn independently
+    with the probabilities ``weights`` (normalised or not) and the policy knows them: Aho, Denning
+    and Ullman's A0, which keeps the ``slots - 1`` most probable adapters once loaded and gives
+    the last seat to the latest request for any other. No online policy hits more often in
+    expectation on such a trace (a lucky one may, on one trace); Belady's, which knows the order,
+    is above it."""
+    if not trace or slots < 1:
+        return 0.0
+    kept = set(sorted(weights, key=lambda a: -weights[a])[: slots - 1])
+    loaded: set[object] = set()
+    last, hits = None, 0
+    for adapter in trace:
+        if adapter in kept:
+            hits += adapter in loaded
+            loaded.add(adapter)
+        else:
+            hits += adapter == last
+            last = adapter
+    return hits / len(trace)
+
+
 def compulsory_hit_bound(trace: Sequence[object], start: Collection[object] = ()) -> float:
     """The hit rate with only compulsory misses: each adapter not resident at the start misses
     once, whatever the slots (1.0 for an empty trace)."""

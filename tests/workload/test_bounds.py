@@ -4,12 +4,17 @@ adapters, hits more often than them."""
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lora_guard.workload.bounds import belady_hits, compulsory_hit_bound
+from lora_guard.workload.bounds import (
+    belady_hits,
+    compulsory_hit_bound,
+    independent_optimum_hit_rate,
+    zipf_trace,
+)
 
 
 def lru_hits(trace: list[int], slots: int, start: list[int]) -> int:
@@ -93,3 +98,43 @@ def test_a_warm_start_raises_the_bound_above_the_cold_one() -> None:
     assert compulsory_hit_bound(trace, start=[0, 1]) == 0.75
     # A start state larger than the slots keeps only as many adapters as there are slots.
     assert belady_hits([5], 1, start=[5, 6]) == 1
+
+
+def test_the_independent_optimum_keeps_the_most_probable_and_rotates_one_seat() -> None:
+    weights = {0: 0.5, 1: 0.3, 2: 0.1, 3: 0.1}
+    # Two seats: 0 is kept (misses once), the other seat holds the latest of 1, 2, 3.
+    trace = [0, 1, 1, 0, 2, 1, 0, 3, 3]
+    assert independent_optimum_hit_rate(trace, 2, weights) == 4 / 9  # 1, 0, 0, 3 hit
+    assert independent_optimum_hit_rate([], 2, weights) == 0.0
+
+
+def test_no_online_policy_beats_the_independent_optimum_on_average() -> None:
+    """On Zipf traces (requests drawn independently), A0 with the true probabilities hits at
+    least as often as LRU and as LFU, averaged over fresh traces."""
+    base = random.randrange(1_000_000)
+    print(f"traces drawn from seed {base}")
+    slots, adapters, exponent = 8, 24, 1.0
+    weights = {i: 1 / (i + 1) ** exponent for i in range(adapters)}
+    a0 = lru = lfu = 0.0
+    for k in range(40):
+        trace = zipf_trace(adapters, 480, exponent, seed=base + k)
+        a0 += independent_optimum_hit_rate(trace, slots, weights)
+        lru += lru_hits(trace, slots, []) / len(trace)
+        lfu += lfu_hits(trace, slots) / len(trace)
+    assert a0 >= lru and a0 >= lfu, (a0 / 40, lru / 40, lfu / 40)
+
+
+def lfu_hits(trace: list[int], slots: int) -> int:
+    """Evicts the resident adapter with the fewest requests so far (the least recent of ties)."""
+    counts: Counter[int] = Counter()
+    resident: list[int] = []  # least recent use first
+    hits = 0
+    for adapter in trace:
+        counts[adapter] += 1
+        if adapter in resident:
+            hits += 1
+            resident.remove(adapter)
+        elif len(resident) >= slots:
+            resident.remove(min(resident, key=lambda a: (counts[a], resident.index(a))))
+        resident.append(adapter)
+    return hits
