@@ -138,8 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_clients,
         metavar="N,N,...",
         help="measure capacity instead of replaying: each of --systems behind its own HTTP "
-        "server, a closed loop of N clients on the trace for each N (until past the knee), then "
-        "the trace at --matched-load of the smallest capacity (docs/benchmarks.md)",
+        "server, a closed loop of N clients for each N, each point's prompts new to the server "
+        "(and doubled N, up to twice the last, while its throughput still rises by over 5%%), "
+        "then the trace at --matched-load of the smallest capacity (docs/benchmarks.md)",
     )
     add(
         "--systems",

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from lora_guard.bench.arguments import workload_spec
 from lora_guard.bench.load import Reply, busy_throughput, closed_loop, open_loop
 from lora_guard.bench.machine_speed import machine_speed
@@ -38,13 +40,15 @@ from lora_guard.bench.servers import (
 )
 from lora_guard.bench.systems import System, make_system
 from lora_guard.workload.stats import percentile
-from lora_guard.workload.trace import TraceRequest, WorkloadSpec, make_trace, mean_rate
+from lora_guard.workload.trace import TraceRequest, WorkloadSpec, fresh_trace, mean_rate
 
 SYSTEMS = ("lora-guard", "peft", "vllm", "llama.cpp")
 KNEE_SHARE = 0.95  # the knee: the fewest clients that reach this share of the best throughput
 # What lora-guard's saturated throughput is held against (issue-stated targets).
 THROUGHPUT_TARGETS = {"vllm": 3.0, "peft": 3.0, "llama.cpp": 2.0}
 LATENCY_TARGET = 0.5  # lora-guard's TTFT p95 at matched load, at most this share of each peer's
+FLAT = 1.05  # a point within this factor of the one before: the throughput is flat
+BEYOND = 2  # a system still rising at the last N is swept up to this times the last N
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,8 @@ class Point:
     e2e_p95_ms: float | None
     # The machine's own speed just before the point (lora_guard.bench.machine_speed), server idle
     machine_gflops: float | None = None
+    # prompt tokens the server found in its prefix cache over all it was sent, where it says
+    prefix_cache_hit_rate: float | None = None
 
 
 def measure(
@@ -108,11 +114,33 @@ def saturated(points: Sequence[Point]) -> Point:
     return max(points, key=lambda p: p.tokens_per_s)
 
 
-def sweep_trace(
-    spec: WorkloadSpec, adapters: list[str], clients: int, least: int
-) -> list[TraceRequest]:
-    """The trace's first ``max(least, 3 x clients)`` requests: each client gets a few turns."""
-    return make_trace(replace(spec, requests=max(least, 3 * clients)), adapters)
+class SweepTraces:
+    """Each point's requests, ``max(least, 3 x clients)`` of them (each client gets a few turns):
+    consecutive stretches of one trace whose prompts all differ (:func:`fresh_trace`), so no
+    point sends a prompt the server has served before, at an earlier point or in the same one."""
+
+    def __init__(self, spec: WorkloadSpec, adapters: list[str], least: int) -> None:
+        self.spec, self.adapters, self.least = spec, adapters, least
+        self.trace: list[TraceRequest] = []
+        self.used = 0
+
+    def point(self, clients: int) -> list[TraceRequest]:
+        size = max(self.least, 3 * clients)
+        if self.used + size > len(self.trace):
+            self.trace = fresh_trace(self.spec, self.adapters, 2 * (self.used + size))
+        out = self.trace[self.used : self.used + size]
+        self.used += size
+        return out
+
+
+def next_clients(points: Sequence[Point], limit: int) -> int | None:
+    """Clients for one more point while the throughput still rises (the last point more than
+    :data:`FLAT` times the one before): twice the last, up to ``limit``; None when flat or
+    falling, or at the limit."""
+    if len(points) < 2 or points[-1].clients * 2 > limit:
+        return None
+    last, before = points[-1].tokens_per_s, points[-2].tokens_per_s
+    return points[-1].clients * 2 if last > FLAT * before else None
 
 
 def run_system(
@@ -120,37 +148,51 @@ def run_system(
     log_file: Path,
     runs: list[tuple[int, list[TraceRequest]]],
     progress: Callable[[str], None],
+    more: Callable[[list[Point]], tuple[int, list[TraceRequest]] | None] | None = None,
 ) -> tuple[list[Point], int]:
     """Start ``system``, then for each (clients, trace) of ``runs``: -1 warms it (one client,
-    not measured), 0 sends the trace open-loop, N > 0 runs a closed loop of N clients; stop it.
-    Returns the points and the server's peak RSS (its processes summed)."""
+    not measured), 0 sends the trace open-loop, N > 0 runs a closed loop of N clients; then the
+    runs ``more`` asks for, given the points so far, until it gives None; stop it. Returns the
+    points and the server's peak RSS (its processes summed)."""
     server = start_server(system.launch, log_file)
     points: list[Point] = []
     peak = 0
     try:
         url = f"http://127.0.0.1:{_port(system.launch)}"
         wait_ready(server, url, log_file)
-        for clients, trace in runs:
+        queue = list(runs)
+        while queue or more is not None:
+            if not queue:
+                assert more is not None
+                extra = more(points)
+                if extra is None:
+                    break
+                queue.append(extra)
+            clients, trace = queue.pop(0)
             if clients < 0:  # the warm-up
                 failed = [r.error for r in closed_loop(url, trace, 1, system.body) if r.error]
                 if failed:
                     raise PeerError(f"{system.name}: the warm-up failed: {failed[0]}")
                 continue
             speed = machine_speed()
+            cached_before = cache_counts(url, system.cache_counters)
             started = time.monotonic()
             if clients:
                 replies = closed_loop(url, trace, clients, system.body)
             else:
                 replies = open_loop(url, trace, system.body)
             point = measure(replies, trace, clients, speed)
+            hit_rate = cache_hit_rate(cached_before, cache_counts(url, system.cache_counters))
+            point = replace(point, prefix_cache_hit_rate=hit_rate)
             peak = max(peak, tree_rss(server.pid))
             points.append(point)
             failed = [r.error for r in replies if r.error is not None]
             what = f"N={clients}" if clients else "matched load"
+            cache = "" if hit_rate is None else f", prefix cache hit {hit_rate:.2f}"
             progress(
                 f"{system.name} {what}: {point.tokens_per_s:.1f} tok/s, TTFT p50 "
                 f"{_ms(point.ttft_p50_ms)} p95 {_ms(point.ttft_p95_ms)}, "
-                f"{point.completed}/{point.requests} done "
+                f"{point.completed}/{point.requests} done{cache} "
                 f"({time.monotonic() - started:.0f} s; machine {speed:.0f} GFLOP/s)"
             )
             if failed:
@@ -160,12 +202,47 @@ def run_system(
     return points, peak
 
 
+def cache_counts(url: str, names: tuple[str, str] | None) -> tuple[float, float] | None:
+    """The two counters ``names`` on the server's /metrics (each summed over its labels); None
+    when the server has no such counters or does not answer."""
+    if names is None:
+        return None
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    except httpx.HTTPError:
+        return None
+    sums = dict.fromkeys(names, 0.0)
+    found = set()
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, _, value = line.rpartition(" ")
+        name = name.split("{", 1)[0].strip()
+        if name in sums:
+            sums[name] += float(value)
+            found.add(name)
+    return (sums[names[0]], sums[names[1]]) if found == set(names) else None
+
+
+def cache_hit_rate(
+    before: tuple[float, float] | None, after: tuple[float, float] | None
+) -> float | None:
+    """Prompt tokens found in the prefix cache over all prompt tokens, between two readings."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def _port(launch: ServerLaunch) -> int:
     return int(launch.command[launch.command.index("--port") + 1])
 
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f} ms"
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _gflops(value: float | None) -> str:
@@ -205,7 +282,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         max_lora_rank=args.max_lora_rank,
         kv_cache_memory=args.kv_cache_memory,
         dtype=args.dtype,
-        max_num_seqs=max(64, max(sweep)),
+        max_num_seqs=max(64, BEYOND * max(sweep)),
     )
     warm = [TraceRequest(f"warm-{a}", 0.0, "t0", a, "Warm-up.", 2) for a in [None, *adapters]]
     report: dict[str, Any] = {
@@ -223,11 +300,15 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             }
             for name, system in made.items():
                 progress(f"{name}: sweeping N = {', '.join(map(str, sweep))}")
-                runs = [(-1, warm)] + [
-                    (n, sweep_trace(spec, adapters, n, args.requests)) for n in sweep
-                ]
+                traces = SweepTraces(spec, adapters, args.requests)
+                runs = [(-1, warm)] + [(n, traces.point(n)) for n in sweep]
+
+                def more(points: list[Point], traces: SweepTraces = traces) -> Any:
+                    n = next_clients(points, BEYOND * max(sweep))
+                    return None if n is None else (n, traces.point(n))
+
                 log = Path(scratch) / f"{name}.log"
-                points, peak = run_system(system, log, runs, progress)
+                points, peak = run_system(system, log, runs, progress, more)
                 logs[f"{name}-sweep"] = shared(log.read_text(errors="replace"))
                 report["systems"][name] = {
                     "launch": system.launch.as_json(),
@@ -238,9 +319,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 }
             capacity = min(s["saturated"]["requests_per_s"] for s in report["systems"].values())
             rate = args.matched_load * capacity
-            matched = make_trace(
-                replace(spec, requests=args.requests, rate=rate / (mean_rate(spec) / spec.rate)),
-                adapters,
+            matched = fresh_trace(
+                replace(spec, rate=rate / (mean_rate(spec) / spec.rate)), adapters, args.requests
             )
             report["matched"] = {
                 "load": args.matched_load,
@@ -329,8 +409,9 @@ def target_lines(targets: list[dict[str, Any]]) -> list[str]:
 
 def sweep_table(systems: dict[str, dict[str, Any]]) -> str:
     rows = [
-        "| system | clients | tok/s | TTFT p50 | TTFT p95 | e2e p95 | done | machine GFLOP/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| system | clients | tok/s | TTFT p50 | TTFT p95 | e2e p95 | done | prefix cache hit "
+        "| machine GFLOP/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, found in systems.items():
         best = found["saturated"]["clients"]
@@ -341,7 +422,7 @@ def sweep_table(systems: dict[str, dict[str, Any]]) -> str:
                 f"| {name} | {clients}{mark} | {p['tokens_per_s']:.1f} | "
                 f"{_ms(p['ttft_p50_ms'])} | {_ms(p['ttft_p95_ms'])} | "
                 f"{_ms(p['e2e_p95_ms'])} | {p['completed']}/{p['requests']} | "
-                f"{_gflops(p.get('machine_gflops'))} |"
+                f"{_share(p.get('prefix_cache_hit_rate'))} | {_gflops(p.get('machine_gflops'))} |"
             )
     return "\n".join(rows)
 

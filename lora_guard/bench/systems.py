@@ -29,6 +29,9 @@ class System:
     name: str
     launch: ServerLaunch
     body: Body  # the request's adapter, as this server names it
+    # the counters on its /metrics of prompt tokens found in its prefix cache and of all prompt
+    # tokens, where it has both
+    cache_counters: tuple[str, str] | None = None
 
 
 def make_system(
@@ -62,7 +65,9 @@ def make_system(
         ]
         if options.max_loras:
             command += ["--max-loras", str(options.max_loras)]
-        return System(name, ServerLaunch(command, {}), _by_model("tgi"))  # its base model's alias
+        counters = ("lora_guard_prefix_cache_hit_tokens_total", "tgi_request_input_length_sum")
+        # "tgi": its base model's alias
+        return System(name, ServerLaunch(command, {}), _by_model("tgi"), counters)
     if name == "peft":
         from lora_guard.bench.peft_server import BASE_NAME
 
@@ -86,7 +91,8 @@ def make_system(
         from lora_guard.bench.vllm_peer import BASE_NAME, peer_python, vllm_launch
 
         launch = vllm_launch(peer_python(log=log), options, adapters, port)
-        return System(name, launch, _by_model(BASE_NAME))
+        counters = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+        return System(name, launch, _by_model(BASE_NAME), counters)
     if name == "llama.cpp":
         from lora_guard.bench import llama_cpp_peer as peer
 

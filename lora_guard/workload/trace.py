@@ -130,6 +130,27 @@ def make_trace(spec: WorkloadSpec, adapter_ids: Sequence[str]) -> list[TraceRequ
     ]
 
 
+def fresh_trace(spec: WorkloadSpec, adapter_ids: Sequence[str], n: int) -> list[TraceRequest]:
+    """``n`` requests of ``spec``'s trace whose prompts are all different: a request repeating an
+    earlier one's whole prompt is left out (a server that saw it would answer from its prefix
+    cache, and it would measure the cache, not the engine). Tenants' system prompts stay shared."""
+    drawn = n
+    for _ in range(8):
+        seen: set[str] = set()
+        kept = []
+        for r in make_trace(replace(spec, requests=drawn), adapter_ids):
+            if r.prompt not in seen:
+                seen.add(r.prompt)
+                kept.append(r)
+        if len(kept) >= n:
+            return kept[:n]
+        drawn *= 2
+    raise TraceError(
+        f"the workload makes only {len(kept)} different prompts of the {n} asked; "
+        "give longer user turns (--user-words)"
+    )
+
+
 def _drift(rng: random.Random, ranking: list[int], spec: WorkloadSpec) -> None:
     """Hand some of the most popular places to adapters from the rest of the ranking."""
     hot = min(spec.hot_ranks, len(ranking) - 1)

@@ -4,6 +4,7 @@ PEFT server) over loopback HTTP."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -11,9 +12,19 @@ from pathlib import Path
 
 import pytest
 
+from lora_guard.bench.arguments import add_arguments, workload_spec
 from lora_guard.bench.llama_cpp_peer import SLOT_TOKENS, llama_cpp_launch
 from lora_guard.bench.load import Reply, busy_throughput
-from lora_guard.bench.sweep import Point, knee, saturated, sweep_targets, target_lines
+from lora_guard.bench.sweep import (
+    Point,
+    SweepTraces,
+    cache_hit_rate,
+    knee,
+    next_clients,
+    saturated,
+    sweep_targets,
+    target_lines,
+)
 from lora_guard.bench.systems import _by_lora_list
 from lora_guard.demo.testing import AdapterFactory
 from lora_guard.workload.trace import TraceRequest
@@ -29,6 +40,36 @@ def test_the_knee_is_the_fewest_clients_near_the_best() -> None:
     points = [point(1, 10), point(2, 19), point(4, 30), point(8, 31), point(16, 29)]
     assert saturated(points).clients == 8
     assert knee(points).clients == 4  # 30 >= 0.95 x 31
+
+
+def test_no_point_sends_a_prompt_the_server_has_served_before() -> None:
+    # the sweep as `lora-guard bench --sweep 1,2,4,8,16,32,64` draws it, then two more points
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--sweep", "1,2,4,8,16,32,64"])
+    adapters = [f"demo-{i:02d}" for i in range(args.adapters)]
+    traces = SweepTraces(workload_spec(args), adapters, args.requests)
+    points = [traces.point(n) for n in [*args.sweep, 128, 256]]
+    sent = [r.prompt for trace in points for r in trace]
+    assert len(sent) == len(set(sent))  # no whole prompt twice, within a point or across
+    assert [len(t) for t in points] == [max(args.requests, 3 * n) for n in [*args.sweep, 128, 256]]
+    # the tenants' system prompts are still shared, as prefix caches are for
+    firsts = {r.prompt.split("\n", 1)[0] for trace in points for r in trace}
+    assert len(firsts) <= args.tenants
+
+
+def test_the_sweep_goes_on_while_the_throughput_still_rises() -> None:
+    rising = [point(16, 100), point(32, 120)]
+    assert next_clients(rising, limit=128) == 64
+    assert next_clients([*rising, point(64, 124)], limit=128) is None  # within 5%: flat
+    assert next_clients([point(32, 100), point(64, 90)], limit=128) is None  # falling
+    assert next_clients([point(32, 100), point(64, 150)], limit=64) is None  # at the limit
+
+
+def test_the_prefix_cache_hit_rate_is_read_between_two_readings() -> None:
+    assert cache_hit_rate((100.0, 400.0), (160.0, 500.0)) == pytest.approx(0.6)
+    assert cache_hit_rate(None, (1.0, 2.0)) is None  # the server has no such counters
+    assert cache_hit_rate((1.0, 2.0), (1.0, 2.0)) is None  # no prompt sent
 
 
 def test_throughput_is_read_while_every_client_is_busy() -> None:
@@ -114,7 +155,7 @@ def test_one_command_sweeps_lora_guard_and_peft_over_http(
             "--base-share",
             "0.3",  # base-model requests too, by each server's name for it
             "--system-prompt-words",
-            "8",
+            "40",  # two blocks a tenant's requests share
             "--user-words",
             "4",
             "--kv-cache-memory",
@@ -131,11 +172,16 @@ def test_one_command_sweeps_lora_guard_and_peft_over_http(
     modules = {"lora-guard": "lora_guard.cli", "peft": "lora_guard.bench.peft_server"}
     for name, module in modules.items():
         found = report["systems"][name]
-        assert [p["clients"] for p in found["points"]] == [1, 2]
+        clients = [p["clients"] for p in found["points"]]
+        assert clients[:2] == [1, 2] and clients[2:] in ([], [4])  # 4 only while still rising
         for p in [*found["points"], found["matched"]]:
             assert p["completed"] == p["requests"] and p["short"] == 0  # all asked tokens came
             assert p["tokens_per_s"] > 0 and p["ttft_p95_ms"] > 0
             assert p["machine_gflops"] > 0  # the machine's speed, measured before the point
+            if name == "lora-guard":  # its /metrics says how much of the prompts it had cached
+                assert 0 < p["prefix_cache_hit_rate"] < 1
+            else:
+                assert p["prefix_cache_hit_rate"] is None
         assert found["launch"]["command"][1:3] == ["-m", module]  # how it ran, in the report
         assert out.with_name(f"sweep.{name}-sweep.log").exists()
     assert report["regime"] == "everything fits: 3 adapters, 3 seats"
