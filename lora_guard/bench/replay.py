@@ -39,6 +39,7 @@ class RequestRecord:
     retries: int = 0
     error: str | None = None
     held_s: float = 0.0  # left out of the batch by a policy (in-process replays only)
+    adapter_wait_s: float = 0.0  # waiting for its adapter before its first token (in-process)
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,7 @@ def _replay(
                 continue
             record.finish, record.tokens, record.error = now, list(out.token_ids), out.error
             record.held_s += out.held_s
+            record.adapter_wait_s += out.adapter_wait_s
             open_requests -= 1
         if not outputs:
             time.sleep(_IDLE_WAIT_S)  # waiting for an adapter read

@@ -29,6 +29,24 @@ def decode_tokens_per_s(record: RequestRecord) -> float | None:
     return (len(record.tokens) - 1) / (record.finish - record.first_token)
 
 
+def tail_ttft_shares(records: Sequence[RequestRecord]) -> dict[str, float | None]:
+    """What the 5% slowest first tokens spent their wait on: the share of their TTFT spent
+    waiting for the adapter (its read, and room in the pool for it), and the share held back by
+    a policy (the two overlap where a policy holds back a request whose adapter is out); the
+    rest is queueing for a batch place and the prompt's prefill. None without such requests (or
+    where the engine does not say: a peer's server)."""
+    done = [r for r in records if r.error is None and r.first_token is not None]
+    ttft = sorted(done, key=lambda r: (r.first_token or 0.0) - r.arrival, reverse=True)
+    tail = ttft[: max(1, len(ttft) // 20)] if ttft else []
+    total = sum((r.first_token or 0.0) - r.arrival for r in tail)
+    if total <= 0:
+        return {"tail_adapter_wait_share": None, "tail_held_share": None}
+    return {
+        "tail_adapter_wait_share": sum(r.adapter_wait_s for r in tail) / total,
+        "tail_held_share": sum(r.held_s for r in tail) / total,
+    }
+
+
 def hit_rates(run: SchemeRun) -> dict[str, float | None]:
     """The scheme's hit rate over its own binds, the bound no policy can pass on that sequence
     (every bind but each non-resident adapter's first: deferring and bypassing included), and
@@ -102,6 +120,7 @@ def summarize(
         # left out of the batch by a policy (hot-set's hold-backs), apart from the adapter wait;
         # None where no engine step was recorded here (a peer, a remote target)
         "held_ms_p95": percentile([r.held_s * 1000 for r in done], 95) if run.steps else None,
+        **(tail_ttft_shares(run.records) if run.steps else tail_ttft_shares([])),
         "tokens_per_s": tokens / span if span > 0 else None,
         "generated_tokens": tokens,
         **hit_rates(run),

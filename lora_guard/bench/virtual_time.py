@@ -35,7 +35,7 @@ from typing import Any
 
 from lora_guard.bench.capacity import CAPACITY_BATCH, Capacity, arrival_rate, capacity_prompts
 from lora_guard.bench.replay import Bind, BindRecorder, RequestRecord
-from lora_guard.bench.report import decode_tokens_per_s, request_tokens_per_s
+from lora_guard.bench.report import decode_tokens_per_s, request_tokens_per_s, tail_ttft_shares
 from lora_guard.config import add_engine_flags
 from lora_guard.cost_profiles import PROFILES, Profile, profile, profiles_help
 from lora_guard.plugins import hookimpl
@@ -114,6 +114,9 @@ class Result:
     best_seats: int | None = None
     switch_ms: float | None = None  # modelled reads and writes per adapter loaded
     peak_used_bytes: int = 0  # the pool's peak of KV in use and adapter pages, profile bytes
+    # at each step some request waited for room for its adapter: the pool's share held by the
+    # adapters running requests use, and by KV in use
+    room_waits: list[tuple[float, float]] = field(default_factory=list)
 
     def figures(self) -> dict[str, Any]:
         done = [r for r in self.records if r.error is None and r.first_token is not None]
@@ -136,6 +139,10 @@ class Result:
             "loads": self.loads,
             "adapter_wait_ms_p95": percentile(waits, 95),
             "held_ms_p95": percentile([r.held_s * 1000 for r in done], 95),
+            **tail_ttft_shares(self.records),
+            "room_wait_steps": len(self.room_waits),
+            "room_wait_busy_adapter_share": percentile([b for b, _ in self.room_waits], 50),
+            "room_wait_kv_share": percentile([k for _, k in self.room_waits], 50),
             "cold_fail_ratio": self.rejected / attempts if attempts else 0.0,
             "retries": sum(r.retries for r in self.records),
             "seats": self.best_seats,
@@ -193,6 +200,7 @@ class Replay:
         self.peak_kv_blocks = 0
         self.peak_used_pages = 0  # KV in use and adapter pages (cached free blocks not counted)
         self.arrivals: list[tuple[str, bool]] = []  # each request's adapter, and if resident
+        self.room_waits: list[tuple[float, float]] = []  # see Result.room_waits
 
     def step(self) -> list[Any]:
         """One engine step; the clock moves by its cost (a read from disk lands by the next)."""
@@ -224,8 +232,28 @@ class Replay:
             - (blocks.num_kv_pages - blocks.num_used_blocks)
         )
         self.peak_used_pages = max(self.peak_used_pages, used)
+        self._note_room_wait()
         self.engine.wait_for_reads()
         return list(outputs)
+
+    def _note_room_wait(self) -> None:
+        """When a request waits for its adapter, read from disk already but not let into the
+        pool (no room), what holds the pool: adapters running requests use, and KV in use."""
+        scheduler = self.engine.scheduler
+        residency, blocks = scheduler.adapters, scheduler.blocks
+        resident = {e.adapter_id for e in residency.residents() if not e.stale}
+        reading = set(residency.loader.pending)
+        waiting = {
+            s.adapter_id
+            for s in (*scheduler.waiting, *scheduler.running)
+            if s.adapter_id is not None and s.adapter_id not in resident | reading
+        }
+        if not waiting:
+            return
+        busy = {s.adapter_id for s in scheduler.running if s.parked_since is None}
+        pages = sum(e.num_pages for e in residency.residents() if e.adapter_id in busy)
+        total = blocks.num_blocks
+        self.room_waits.append((pages / total, blocks.num_used_blocks / total))
 
     def _read_ms(self, adapter: str) -> float:
         ms = self.costs.read(self.adapter_mib.get(adapter, 0.0))
@@ -279,6 +307,7 @@ class Replay:
                     continue
                 record.finish, record.tokens, record.error = now, list(out.token_ids), out.error
                 record.held_s += out.held_s
+                record.adapter_wait_s += out.adapter_wait_s
         return list(records.values()), rejected
 
 
@@ -437,6 +466,7 @@ def run_scheme(
     replay.peak_kv_blocks = replay.peak_used_pages = 0
     replay.read_ms.clear()
     replay.write_ms.clear()
+    replay.room_waits.clear()
     records, rejected = replay.run(trace, adapters)
     engine.check_no_leaks()
     tenants = {r.id: r.tenant for r in trace}
@@ -455,6 +485,7 @@ def run_scheme(
     switches = sum(replay.read_ms) + sum(replay.write_ms)
     result.switch_ms = switches / loads if loads else None
     result.peak_used_bytes = int(replay.peak_used_pages * page_bytes * bench.scale)
+    result.room_waits = list(replay.room_waits)
     kv_bytes = replay.peak_kv_blocks * page_bytes
     engine.shutdown()
     return result, kv_bytes

@@ -31,6 +31,7 @@ class RequestOutput:
     stop_sequence: str | None = None
     retry_after: float | None = None  # set when a policy answered "busy, retry later"
     held_s: float = 0.0  # seconds a policy left it out of the batch while it waited
+    adapter_wait_s: float = 0.0  # seconds it waited for its adapter before its first token
 
     @classmethod
     def of(cls, seq: Sequence, text: str, stop_sequence: str | None = None) -> RequestOutput:
@@ -47,6 +48,7 @@ class RequestOutput:
             stop_sequence=stop_sequence,
             retry_after=seq.retry_after,
             held_s=seq.held_s,
+            adapter_wait_s=seq.first_adapter_wait_s,
         )
 
 

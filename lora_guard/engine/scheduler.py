@@ -319,6 +319,8 @@ class Scheduler:
         elif seq.adapter_needed_at is not None or seq.parked_since is not None:
             started = seq.adapter_needed_at or seq.parked_since or self.clock()
             wait_ms = (self.clock() - started) * 1000
+            if seq.first_token_time is None:
+                seq.first_adapter_wait_s += wait_ms / 1000
             seq.adapter_needed_at = seq.parked_since = None
             self.hooks.notify("lora_guard_adapter_ready", request=seq.view(), wait_ms=wait_ms)
         elif not seq.adapter_ready_once:

@@ -70,6 +70,7 @@ class Sequence:
     parked_since: float | None = None  # running, but its adapter is out of the pool
     held_since: float | None = None  # waiting, left out of the batch by a policy since then
     held_s: float = 0.0  # time left out of the batch by a policy, ended spells
+    first_adapter_wait_s: float = 0.0  # time waiting for its adapter before its first token
     adapter_ready_once: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None

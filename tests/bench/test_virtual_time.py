@@ -90,13 +90,23 @@ def test_every_rival_and_lora_guard_stay_under_the_bound_under_pressure(tmp_path
     for name, row in report["schemes"].items():
         assert row["completed"] == row["requests"] == 40, name
         assert row["hit_rate"] <= row["hit_rate_bound"], name
+        # what the slowest first tokens waited on: shares of their TTFT (they overlap where a
+        # policy holds back a request whose adapter is not in the pool)
+        assert 0 <= row["tail_adapter_wait_share"] <= 1 and 0 <= row["tail_held_share"] <= 1
         if name == "all-resident":
             assert row["loads"] == 0 and row["hit_rate"] == 1.0
-            assert row["adapter_wait_ms_p95"] == 0.0
+            assert row["adapter_wait_ms_p95"] == 0.0 and row["tail_adapter_wait_share"] == 0
+            assert row["room_wait_steps"] == 0  # an adapter never waits for room
         elif name == "static":
             assert row["loads"] == 0  # one adapter merged for good serves the whole load
         else:
             assert row["loads"] > 0, name
+            assert row["tail_adapter_wait_share"] > 0, name  # the slowest waited for loads
+    # where adapters waited for room, what held the pool is said
+    waited = [r for r in report["schemes"].values() if r["room_wait_steps"]]
+    assert waited
+    for row in waited:
+        assert 0 < row["room_wait_busy_adapter_share"] + row["room_wait_kv_share"] <= 1
 
 
 def test_a_trace_file_is_replayed_with_the_adapters_it_names_made_at_their_ranks(
