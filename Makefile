@@ -19,6 +19,7 @@ test-fast: bootstrap
 ## peers: the field's tools, each in its own venv under $LORA_GUARD_HOME/peers (vLLM's CPU build
 ## and guidellm, about 3.5 and 1.5 GB; the first time takes minutes)
 peers: bootstrap
+	scripts/vllm_system_libs.sh
 	$(BIN)/python -m lora_guard.bench.peer_env vllm guidellm
 
 ## test-clients: vLLM's `vllm bench serve` and guidellm against a real server of the demo model
@@ -28,6 +29,7 @@ test-clients: peers demo
 ## test-vllm: lora_guard.vllm inside vLLM's CPU build (its environment made as for the bench, then
 ## this checkout installed into it); four vLLM servers of a tiny model, about 5 minutes
 test-vllm: bootstrap
+	scripts/vllm_system_libs.sh
 	$(BIN)/python -m lora_guard.bench.peer_env $(VLLM_PEER)
 	VLLM_PEER=$(VLLM_PEER) $(BIN)/python -m pytest -m vllm -rP
 

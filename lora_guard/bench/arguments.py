@@ -145,7 +145,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--systems",
         default="lora-guard,peft,vllm",
-        help="the servers --sweep measures, from: lora-guard, peft, vllm, llama.cpp",
+        help="the servers --sweep measures, from: lora-guard, peft, vllm (every core computes), "
+        "vllm-reserved (vLLM's documented layout: a core kept for its serving process), "
+        "llama.cpp",
     )
     add(
         "--matched-load",

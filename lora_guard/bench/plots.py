@@ -117,6 +117,7 @@ def colour(name: str) -> str:
         "lora-guard-observe": "#9467bd",
         "peft": "#1f77b4",
         "vllm": "#8c564b",
+        "vllm-reserved": "#bcbd22",
         "llama.cpp": "#e377c2",
     }.get(name, "#17becf")
 

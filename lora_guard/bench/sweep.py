@@ -39,13 +39,16 @@ from lora_guard.bench.servers import (
     wait_ready,
 )
 from lora_guard.bench.systems import System, make_system
+from lora_guard.bench.vllm_peer import vllm_mode
 from lora_guard.workload.stats import percentile
 from lora_guard.workload.trace import TraceRequest, WorkloadSpec, fresh_trace, mean_rate
 
-SYSTEMS = ("lora-guard", "peft", "vllm", "llama.cpp")
+#: vllm: compute on every core; vllm-reserved: its documented layout, a core kept for its
+#: serving process
+SYSTEMS = ("lora-guard", "peft", "vllm", "vllm-reserved", "llama.cpp")
 KNEE_SHARE = 0.95  # the knee: the fewest clients that reach this share of the best throughput
 # What lora-guard's saturated throughput is held against (issue-stated targets).
-THROUGHPUT_TARGETS = {"vllm": 3.0, "peft": 3.0, "llama.cpp": 2.0}
+THROUGHPUT_TARGETS = {"vllm": 3.0, "vllm-reserved": 3.0, "peft": 3.0, "llama.cpp": 2.0}
 LATENCY_TARGET = 0.5  # lora-guard's TTFT p95 at matched load, at most this share of each peer's
 FLAT = 1.05  # a point within this factor of the one before: the throughput is flat
 BEYOND = 2  # a system still rising at the last N is swept up to this times the last N
@@ -312,6 +315,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 logs[f"{name}-sweep"] = shared(log.read_text(errors="replace"))
                 report["systems"][name] = {
                     "launch": system.launch.as_json(),
+                    **({"mode": vllm_mode(logs[f"{name}-sweep"])} if "vllm" in name else {}),
                     "points": [asdict(p) for p in points],
                     "saturated": asdict(saturated(points)),
                     "knee_clients": knee(points).clients,

@@ -4,7 +4,9 @@ checkpoint, adapters, dtype, cores and KV space where the server lets it be set.
 - ``lora-guard``: ``lora-guard serve`` (its defaults: prefix caching on), ``--cache-memory`` the KV
   space, adapters named by ``model``.
 - ``peft``: transformers + PEFT behind :mod:`lora_guard.bench.peft_server` (static batches).
-- ``vllm``: vLLM's CPU build as its CPU docs ask (:func:`lora_guard.bench.vllm_peer.vllm_launch`).
+- ``vllm``: vLLM's CPU build as its CPU docs ask (:func:`lora_guard.bench.vllm_peer.vllm_launch`),
+  computing on every core; ``vllm-reserved``: the same in its documented layout, a core kept for
+  its serving process.
 - ``llama.cpp``: ``llama-server`` built here (:mod:`lora_guard.bench.llama_cpp_peer`), the model
   and adapters converted to GGUF in the same dtype, one slot per client.
 """
@@ -87,10 +89,17 @@ def make_system(
             str(port),
         ]
         return System(name, ServerLaunch(command, {}), _by_model(BASE_NAME))
-    if name == "vllm":
-        from lora_guard.bench.vllm_peer import BASE_NAME, peer_python, vllm_launch
+    if name in ("vllm", "vllm-reserved"):
+        from lora_guard.bench.vllm_peer import (
+            ALL_CORES,
+            BASE_NAME,
+            RESERVED,
+            peer_python,
+            vllm_launch,
+        )
 
-        launch = vllm_launch(peer_python(log=log), options, adapters, port)
+        layout = RESERVED if name == "vllm-reserved" else ALL_CORES
+        launch = vllm_launch(peer_python(log=log), options, adapters, port, layout=layout)
         counters = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
         return System(name, launch, _by_model(BASE_NAME), counters)
     if name == "llama.cpp":

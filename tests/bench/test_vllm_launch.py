@@ -14,6 +14,7 @@ from lora_guard.bench.vllm_peer import (
     peer_launch,
     peer_options,
     vllm_launch,
+    vllm_mode,
 )
 from lora_guard.engine.config import parse_memory
 
@@ -77,11 +78,52 @@ def test_the_all_resident_bound_is_vllm_alone_with_a_seat_for_every_adapter() ->
     assert peer_options("vllm-all-resident", OPTIONS, adapters).max_loras == 6
 
 
-def test_tcmalloc_is_preloaded_when_the_machine_has_it(tmp_path: Path) -> None:
+def test_tcmalloc_and_intel_openmp_are_preloaded_as_the_docs_ask(tmp_path: Path) -> None:
     library = tmp_path / "libtcmalloc_minimal.so.4"
-    with_it = vllm_launch(Path("python"), OPTIONS, [], 8701, cores={0}, tcmalloc=library)
-    assert with_it.environment["LD_PRELOAD"] == str(library)
+    library.touch()
+    python = tmp_path / "venv" / "bin" / "python"  # intel-openmp puts libiomp5.so in venv/lib
+    (tmp_path / "venv" / "lib").mkdir(parents=True)
+    (tmp_path / "venv" / "lib" / "libiomp5.so").touch()
+    with_it = vllm_launch(python, OPTIONS, [], 8701, cores={0}, tcmalloc=library)
+    iomp = tmp_path / "venv" / "lib" / "libiomp5.so"
+    assert with_it.environment["LD_PRELOAD"] == f"{library}:{iomp}"
     assert "--enable-lora" not in with_it.command  # no adapters: the base model alone
+    missing = vllm_launch(Path("python"), OPTIONS, [], 8701, tcmalloc=tmp_path / "none.so")
+    assert "LD_PRELOAD" not in missing.environment  # nothing named that is not there
+
+
+def test_the_documented_layout_keeps_a_core_for_the_serving_process() -> None:
+    launch = vllm_launch(Path("/venv/bin/python"), OPTIONS, ["a"], 8701, layout="reserved")
+    # vLLM's own default: it binds its threads itself and keeps a core back
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in launch.environment
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in launch.environment
+    with pytest.raises(ValueError, match="unknown core layout"):
+        vllm_launch(Path("/venv/bin/python"), OPTIONS, ["a"], 8701, layout="half")
+
+
+def test_a_degraded_vllm_run_shows_in_its_mode() -> None:
+    degraded = "\n".join(
+        [
+            "WARNING [cpu_worker.py:114] libtcmalloc is not found in LD_PRELOAD. For best ...",
+            "WARNING [cpu_worker.py:114] libiomp is not found in LD_PRELOAD. For best ...",
+            "WARNING [cpu.py:224] Triton is not installed. triton-cpu is expected on x86 CPUs.",
+            "WARNING [vllm.py:725] Model Runner V2 requires Triton; using the V1 model runner "
+            "instead.",
+            "INFO compilation_config={'mode': <CompilationMode.NONE: 0>, ...}",
+            "INFO [ompmultiprocessing.py:185] \treserved_cpus=[]",
+        ]
+    )
+    assert vllm_mode(degraded) == {
+        "tcmalloc_preloaded": False,
+        "iomp_preloaded": False,
+        "triton": False,
+        "model_runner": "V1",
+        "compilation": "NONE",
+        "reserved_cpus": "[]",
+    }
+    tuned = vllm_mode("INFO [ompmultiprocessing.py:185] \treserved_cpus=[0]")
+    assert tuned["tcmalloc_preloaded"] and tuned["iomp_preloaded"] and tuned["triton"]
+    assert tuned["reserved_cpus"] == "[0]"
 
 
 def test_cpu_lists_are_written_as_linux_writes_them() -> None:
