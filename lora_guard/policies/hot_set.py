@@ -49,6 +49,10 @@ reuse is at most its adapter's; a block found often is worth that much, one neve
 since it was cached falls with its age (one pseudo-hit over its age).
 
 ``max_loras_per_batch`` caps the distinct adapters of the running requests when set.
+``prefill_tokens_per_step`` (default 512) caps the prompt tokens of the new requests one step
+starts, in batch form's order (the first always starts, and one waited ``max_adapter_wait_s``):
+a burst of prompts starts over a few steps, first come first, rather than all in one long step
+that gives each its first token last.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from lora_guard.plugins.state import EngineState, RequestView, SlotView
 from lora_guard.policies.victims import plan_load
 
 FLOOD_SHARE = 2.0  # a tenant running more than this times its share of the batch goes last
+PREFILL_TOKENS = 512  # prompt tokens of new requests one step starts, by default
 SOON = 2  # steps: a request waits for a colder adapter's seat that frees within this many
 
 
@@ -77,6 +82,7 @@ class HotSetPolicy:
         self.max_num_seqs = 0  # the engine's, read at configure
         self.max_wait_s = 8.0
         self.heat_window_s = 60.0
+        self.prefill_tokens = PREFILL_TOKENS  # 0: no cap
 
     @hookimpl
     def lora_guard_add_options(self, options: OptionRegistry) -> None:
@@ -102,6 +108,13 @@ class HotSetPolicy:
             "a request waiting this long goes ahead of all others and may displace any adapter",
         )
         options.add("heat_window_s", float, 60.0, "sliding window of the heat count, seconds")
+        options.add(
+            "prefill_tokens_per_step",
+            int,
+            PREFILL_TOKENS,
+            "prompt tokens of new requests one step starts, in batch form's order (the first "
+            "always starts; 0: no cap)",
+        )
 
     @hookimpl
     def lora_guard_configure(self, config: dict[str, Any]) -> None:
@@ -114,10 +127,17 @@ class HotSetPolicy:
         self.max_loras_per_batch = int(config.get("max_loras_per_batch", 0))
         self.max_num_seqs = int(config.get("max_num_seqs", 0))
         self.max_wait_s = float(config.get("max_adapter_wait_s", 8.0))
+        self.prefill_tokens = int(config.get("prefill_tokens_per_step", PREFILL_TOKENS))
         self.heat_window_s = float(config.get("heat_window_s", 60.0))
-        if (self.hot_set_size or 0) < 0 or self.max_loras_per_batch < 0 or self.max_wait_s <= 0:
+        if (
+            (self.hot_set_size or 0) < 0
+            or self.max_loras_per_batch < 0
+            or self.prefill_tokens < 0
+            or self.max_wait_s <= 0
+        ):
             raise ValueError(
-                "hot_set_size and max_loras_per_batch must be >= 0, max_adapter_wait_s > 0"
+                "hot_set_size, max_loras_per_batch and prefill_tokens_per_step must be >= 0, "
+                "max_adapter_wait_s > 0"
             )
 
     def hot_set(self, state: EngineState) -> set[str]:
@@ -281,7 +301,38 @@ class HotSetPolicy:
                     seated += seats_it
                 chosen.append(r.request_id)
                 served[r.tenant_id] += 1
-        return chosen
+        return self.prefill_cap(chosen, waiting, resident, state)
+
+    def prefill_cap(
+        self,
+        chosen: list[str],
+        waiting: Sequence[RequestView],
+        resident: set[str],
+        state: EngineState,
+    ) -> list[str]:
+        """``chosen`` less the requests that would start more than ``prefill_tokens_per_step``
+        prompt tokens this step, in order: a burst of prompts starts over a few steps, first come
+        first, rather than all in one long step that gives every one of them its first token
+        last and stalls the running requests' decodes. The first always starts, and so does a
+        request that waited ``max_adapter_wait_s``; a request whose adapter is not resident
+        starts no prompt this step (its adapter comes in first) and takes no share."""
+        if not self.prefill_tokens:
+            return chosen
+        by_id = {r.request_id: r for r in waiting}
+        kept: list[str] = []
+        tokens, full = 0, False
+        for request_id in chosen:
+            r = by_id[request_id]
+            if r.adapter_id is not None and r.adapter_id not in resident:
+                kept.append(request_id)
+                continue
+            n = r.num_prompt_tokens + r.num_output_tokens  # a preempted one computes both again
+            full = full or (tokens > 0 and tokens + n > self.prefill_tokens)
+            if full and not self.aged(r, state):
+                continue
+            kept.append(request_id)
+            tokens += n
+        return kept
 
     def drain_for(self, state: EngineState, request: RequestView, working: set[str]) -> set[str]:
         """The running adapter whose seat ``request`` (waited on ``max_adapter_wait_s``, its

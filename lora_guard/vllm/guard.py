@@ -128,7 +128,8 @@ class SchedulerGuard:
     ) -> None:
         self.max_loras = max_loras
         if hooks is None:
-            hooks, options = configured_hooks(max_loras=max_loras)
+            # vLLM budgets each step's prompt tokens itself (its chunked prefill)
+            hooks, options = configured_hooks(max_loras=max_loras, prefill_tokens_per_step=0)
         else:
             options = {}
         self.hooks = hooks
