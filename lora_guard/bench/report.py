@@ -35,15 +35,22 @@ def tail_ttft_shares(records: Sequence[RequestRecord]) -> dict[str, float | None
     a policy (the two overlap where a policy holds back a request whose adapter is out); the
     rest is queueing for a batch place and the prompt's prefill. None without such requests (or
     where the engine does not say: a peer's server)."""
-    done = [r for r in records if r.error is None and r.first_token is not None]
-    ttft = sorted(done, key=lambda r: (r.first_token or 0.0) - r.arrival, reverse=True)
-    tail = ttft[: max(1, len(ttft) // 20)] if ttft else []
-    total = sum((r.first_token or 0.0) - r.arrival for r in tail)
+    waits = sorted(
+        (
+            (r.first_token - r.arrival, r)
+            for r in records
+            if r.error is None and r.first_token is not None
+        ),
+        key=lambda pair: pair[0],
+        reverse=True,
+    )
+    tail = waits[: max(1, len(waits) // 20)]
+    total = sum(ttft for ttft, _ in tail)
     if total <= 0:
         return {"tail_adapter_wait_share": None, "tail_held_share": None}
     return {
-        "tail_adapter_wait_share": sum(r.adapter_wait_s for r in tail) / total,
-        "tail_held_share": sum(r.held_s for r in tail) / total,
+        "tail_adapter_wait_share": sum(r.adapter_wait_s for _, r in tail) / total,
+        "tail_held_share": sum(r.held_s for _, r in tail) / total,
     }
 
 
@@ -120,7 +127,7 @@ def summarize(
         # left out of the batch by a policy (hot-set's hold-backs), apart from the adapter wait;
         # None where no engine step was recorded here (a peer, a remote target)
         "held_ms_p95": percentile([r.held_s * 1000 for r in done], 95) if run.steps else None,
-        **(tail_ttft_shares(run.records) if run.steps else tail_ttft_shares([])),
+        **tail_ttft_shares(run.records if run.steps else []),
         "tokens_per_s": tokens / span if span > 0 else None,
         "generated_tokens": tokens,
         **hit_rates(run),

@@ -18,8 +18,9 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from lora_guard.bench.servers import (
 )
 from lora_guard.bench.systems import System, make_system
 from lora_guard.bench.vllm_peer import vllm_mode
+from lora_guard.demo.testing import metric_samples
 from lora_guard.workload.stats import percentile
 from lora_guard.workload.trace import TraceRequest, WorkloadSpec, fresh_trace, mean_rate
 
@@ -119,20 +121,19 @@ def saturated(points: Sequence[Point]) -> Point:
 
 class SweepTraces:
     """Each point's requests, ``max(least, 3 x clients)`` of them (each client gets a few turns):
-    consecutive stretches of one trace whose prompts all differ (:func:`fresh_trace`), so no
-    point sends a prompt the server has served before, at an earlier point or in the same one."""
+    the trace's next requests whose prompts differ from each other (:func:`fresh_trace`) and
+    from every prompt an earlier point sent, so no point sends a prompt the server has served
+    before."""
 
     def __init__(self, spec: WorkloadSpec, adapters: list[str], least: int) -> None:
         self.spec, self.adapters, self.least = spec, adapters, least
-        self.trace: list[TraceRequest] = []
-        self.used = 0
+        self.sent: set[str] = set()
 
     def point(self, clients: int) -> list[TraceRequest]:
         size = max(self.least, 3 * clients)
-        if self.used + size > len(self.trace):
-            self.trace = fresh_trace(self.spec, self.adapters, 2 * (self.used + size))
-        out = self.trace[self.used : self.used + size]
-        self.used += size
+        drawn = fresh_trace(self.spec, self.adapters, len(self.sent) + size)
+        out = [r for r in drawn if r.prompt not in self.sent][:size]
+        self.sent.update(r.prompt for r in out)
         return out
 
 
@@ -163,15 +164,12 @@ def run_system(
     try:
         url = f"http://127.0.0.1:{_port(system.launch)}"
         wait_ready(server, url, log_file)
-        queue = list(runs)
-        while queue or more is not None:
-            if not queue:
-                assert more is not None
-                extra = more(points)
-                if extra is None:
-                    break
-                queue.append(extra)
-            clients, trace = queue.pop(0)
+
+        def extra() -> Iterator[tuple[int, list[TraceRequest]]]:
+            while more is not None and (run := more(points)) is not None:
+                yield run
+
+        for clients, trace in chain(runs, extra()):
             if clients < 0:  # the warm-up
                 failed = [r.error for r in closed_loop(url, trace, 1, system.body) if r.error]
                 if failed:
@@ -211,20 +209,13 @@ def cache_counts(url: str, names: tuple[str, str] | None) -> tuple[float, float]
     if names is None:
         return None
     try:
-        text = httpx.get(f"{url}/metrics", timeout=10.0).text
+        samples = metric_samples(url)
     except httpx.HTTPError:
         return None
-    sums = dict.fromkeys(names, 0.0)
-    found = set()
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name, _, value = line.rpartition(" ")
-        name = name.split("{", 1)[0].strip()
-        if name in sums:
-            sums[name] += float(value)
-            found.add(name)
-    return (sums[names[0]], sums[names[1]]) if found == set(names) else None
+    if any(name not in samples for name in names):
+        return None
+    hits, total = (sum(value for _, value in samples[name]) for name in names)
+    return hits, total
 
 
 def cache_hit_rate(
@@ -306,7 +297,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 traces = SweepTraces(spec, adapters, args.requests)
                 runs = [(-1, warm)] + [(n, traces.point(n)) for n in sweep]
 
-                def more(points: list[Point], traces: SweepTraces = traces) -> Any:
+                def more(
+                    points: list[Point], traces: SweepTraces = traces
+                ) -> tuple[int, list[TraceRequest]] | None:
                     n = next_clients(points, BEYOND * max(sweep))
                     return None if n is None else (n, traces.point(n))
 

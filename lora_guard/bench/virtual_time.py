@@ -241,7 +241,8 @@ class Replay:
         pool (no room), what holds the pool: adapters running requests use, and KV in use."""
         scheduler = self.engine.scheduler
         residency, blocks = scheduler.adapters, scheduler.blocks
-        resident = {e.adapter_id for e in residency.residents() if not e.stale}
+        residents = residency.residents()
+        resident = {e.adapter_id for e in residents if not e.stale}
         reading = set(residency.loader.pending)
         waiting = {
             s.adapter_id
@@ -251,7 +252,7 @@ class Replay:
         if not waiting:
             return
         busy = {s.adapter_id for s in scheduler.running if s.parked_since is None}
-        pages = sum(e.num_pages for e in residency.residents() if e.adapter_id in busy)
+        pages = sum(e.num_pages for e in residents if e.adapter_id in busy)
         total = blocks.num_blocks
         self.room_waits.append((pages / total, blocks.num_used_blocks / total))
 
