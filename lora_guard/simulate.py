@@ -373,7 +373,7 @@ class _Reports:
     ) -> None:
         self.fleet, self.events, self.period_s, self.tick_s = fleet, events, period_s, tick_s
         self.rng, self.running = rng, running
-        self.seen: dict[str, tuple[frozenset[str], int]] = {}
+        self.seen: dict[str, tuple[frozenset[str], int, int]] = {}
 
     def start(self) -> None:
         for replica in self.fleet.replicas:
@@ -386,9 +386,9 @@ class _Reports:
             self.events.at(phase, self._one(replica))
 
     def view(self, replica: Replica, max_queue: int) -> ReplicaView:
-        resident, free = self.seen[replica.replica_id]
+        resident, free, loads = self.seen[replica.replica_id]
         return ReplicaView(
-            replica.replica_id, resident, replica.queue_len, max_queue, free, cold_budget_left=1
+            replica.replica_id, resident, replica.queue_len, max_queue, free, 1, loads
         )
 
     def _all(self, now: float) -> None:
@@ -407,12 +407,12 @@ class _Reports:
 
         return report
 
-    def _see(self, replica: Replica, snapshot: tuple[frozenset[str], int]) -> None:
+    def _see(self, replica: Replica, snapshot: tuple[frozenset[str], int, int]) -> None:
         self.seen[replica.replica_id] = snapshot
 
 
-def _snapshot(replica: Replica) -> tuple[frozenset[str], int]:
-    return frozenset(replica.resident), replica.free_seats()
+def _snapshot(replica: Replica) -> tuple[frozenset[str], int, int]:
+    return frozenset(replica.resident), replica.free_seats(), replica.loads
 
 
 def simulate(

@@ -15,8 +15,9 @@ def view(
     free: int = 0,
     budget: int = 0,
     max_queue: int = 8,
+    loads: int = 0,
 ) -> ReplicaView:
-    return ReplicaView(name, frozenset(resident), queue, max_queue, free, budget)
+    return ReplicaView(name, frozenset(resident), queue, max_queue, free, budget, loads)
 
 
 class Clock:
@@ -60,6 +61,22 @@ def test_a_routed_cold_load_is_reserved_until_the_replica_reports_it_or_it_expir
     assert ranker.rank("a", replicas)[0] == ["r0"]
     clock.now = 11.0
     assert ranker.rank("a", replicas)[0] == ["r0", "r1"]  # the reservation lapsed
+
+
+def test_a_load_into_a_full_replica_evicts_what_was_routed_there_least_recently() -> None:
+    ranker = AffinityRanker(spread_queue=16)
+    full = view("r0", {"a", "b"}, loads=2)
+    other = view("r1", {"x", "y"}, queue=1, loads=2)
+    for adapter in ("a", "b", "a"):
+        ranker.routed(adapter, full)
+    ranker.routed("c", full)  # r0 has no room: b, routed there least recently, leaves
+    # Until r0 reports again, a request for b no longer counts r0 as holding it ...
+    assert ranker.rank("b", [full, other]) == [["r0", "r1"]]
+    assert ranker.rank("a", [full, other])[0] == ["r0"]
+    assert ranker.room(full) == 0  # c takes the seat b leaves
+    # ... and once a report taken after the load says b is still there, it is believed.
+    reported = view("r0", {"a", "b"}, loads=3)
+    assert ranker.rank("b", [reported, other])[0] == ["r0"]
 
 
 def test_the_base_model_goes_to_the_shortest_queue() -> None:

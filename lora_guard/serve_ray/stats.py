@@ -99,6 +99,7 @@ def replica_view(
         max_queue=max_queue,
         free_seats=int(stats.get("free_seats", UNREPORTED_FREE_SEATS)),
         cold_budget_left=1 if budget is None else int(budget),
+        loads=int(stats.get("loads", 0)),
     )
 
 
