@@ -324,8 +324,9 @@ class EngineConfig:
     lora_compute: str = setting(
         "auto",
         help="how a step computes the LoRA updates: kernel (the "
-        "compiled kernel, one call per projection; float32 on the "
-        "CPU, from float32 or bfloat16 adapter pages), loop (per "
+        "compiled kernel, one call per projection; a float32 or "
+        "bfloat16 model on the CPU, from float32 or bfloat16 adapter "
+        "pages), loop (per "
         "adapter segment), batched (one gathered batched matmul per "
         "projection), auto (kernel where it builds, else loop)",
         check=one_of("auto", "kernel", "loop", "batched"),

@@ -7,9 +7,10 @@ of the flat batch. Two ways compute the same thing:
   sub-module, straight from the adapter's pages (no copy).
 - ``kernel``: per projection, one call of the compiled kernel (``sgmv.cpp``) that runs the same
   shrink and expands for every segment straight from the pool's pages: the loop's BLAS calls
-  without a Python dispatch each. It computes in float32 from float32 or bfloat16 pages (widened
-  exactly as it reads them); ``auto`` (the default) takes it where it builds and loads, else
-  ``loop``.
+  without a Python dispatch each. It sums in float32 from float32 or bfloat16 pages (widened
+  exactly as it reads them), for a float32 or a bfloat16 model (whose activations it widens once
+  and whose outputs it rounds once); ``auto`` (the default) takes it where it builds and loads,
+  else ``loop``.
 - ``batched``: per projection, one shrink and one expand over all segments at once (torch's
   batched matmul over segments padded to the longest and ranks padded to the largest), gathering
   the adapters' matrices into one stack first: SGMV done with torch operations, slower on the CPU
@@ -63,6 +64,7 @@ def kernel_plan(layers: list[LayerWeights]) -> torch.Tensor:
 
 
 KERNEL_WEIGHTS = (torch.float32, torch.bfloat16)
+KERNEL_ACTIVATIONS = (torch.float32, torch.bfloat16)
 
 
 def resolve_mode(
@@ -71,12 +73,12 @@ def resolve_mode(
     """The computation a step uses: ``auto`` is ``kernel`` where the kernel applies and loads,
     else ``loop``; an explicit ``kernel`` that cannot run is an error."""
     weights = lora_dtype or dtype
-    applies = dtype == torch.float32 and device.type == "cpu" and weights in KERNEL_WEIGHTS
+    applies = dtype in KERNEL_ACTIVATIONS and device.type == "cpu" and weights in KERNEL_WEIGHTS
     if mode == "kernel":
         if not applies:
             raise ValueError(
-                "lora_compute=kernel computes in float32 on the CPU, from float32 or bfloat16 "
-                "adapter weights"
+                "lora_compute=kernel runs on the CPU, for a float32 or bfloat16 model with "
+                "float32 or bfloat16 adapter weights"
             )
         if not kernel.load():
             raise ValueError(f"lora_compute=kernel: the kernel cannot be built: {kernel.error()}")

@@ -11,10 +11,12 @@
 // ``plan`` is int64 [segments, 4 + 5 * parts]: start, end, a_offset, rows, then per part row0,
 // row1, out0, out1, bt_offset (row1 == row0: no such part; rows == 0: the adapter has no weights
 // for this projection). Offsets are elements into ``pool``, the cache pool's arena that holds
-// every resident adapter's pages. The pool holds float32 or bfloat16 weights (x and y are float32):
-// bfloat16 halves the bytes a step reads, each element widened exactly to float32 as it is read
-// (in the vector loops; for sgemm, a piece's weights first into a float32 scratch), and the sums
-// run in float32, so both compute the same up to the order of the sums.
+// every resident adapter's pages. The pool holds float32 or bfloat16 weights: bfloat16 halves the
+// bytes a step reads, each element widened exactly to float32 as it is read (in the vector loops;
+// for sgemm, a piece's weights first into a float32 scratch), and the sums run in float32, so
+// both compute the same up to the order of the sums. x and y are float32, or both bfloat16 (a
+// bfloat16 model): then the segments' rows of x are widened once into a float32 copy, the update
+// is summed in float32 and added to y with one rounding to bfloat16 per element.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <omp.h>
@@ -60,6 +62,15 @@ inline float widen(uint16_t w) {
     float v;
     __builtin_memcpy(&v, &bits, sizeof v);
     return v;
+}
+
+// A float rounded to the nearest bfloat16, ties to even (as torch rounds); NaN stays NaN.
+inline uint16_t narrow(float v) {
+    uint32_t bits;
+    __builtin_memcpy(&bits, &v, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return static_cast<uint16_t>(bits >> 16);
 }
 
 inline Lanes load(const float *p) {
@@ -180,6 +191,11 @@ LORA_CLONES void widen_block(int rows, int cols, const uint16_t *__restrict w, i
     }
 }
 
+// y[c] = y[c] + sums[c] rounded to bfloat16, for cols columns.
+LORA_CLONES void add_narrow(int64_t cols, const float *__restrict sums, uint16_t *__restrict y) {
+    for (int64_t c = 0; c < cols; ++c) y[c] = narrow(widen(y[c]) + sums[c]);
+}
+
 // The calling thread's float32 copy of a piece's bfloat16 weights for sgemm, kept between calls.
 float *scratch(int64_t elems) {
     thread_local std::vector<float> buffer;
@@ -231,9 +247,10 @@ void lora_apply(const at::Tensor &x, const at::Tensor &y, const at::Tensor &pool
                 const at::Tensor &plan) {
     TORCH_CHECK(x.device().is_cpu() && y.device().is_cpu() && pool.device().is_cpu(),
                 "lora_apply runs on the CPU");
-    TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat &&
+    TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                    y.scalar_type() == x.scalar_type() &&
                     (pool.scalar_type() == at::kFloat || pool.scalar_type() == at::kBFloat16),
-                "lora_apply computes in float32, from float32 or bfloat16 weights");
+                "lora_apply: x and y both float32 or both bfloat16; float32 or bfloat16 weights");
     TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "x and y: [tokens, _]");
     TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1 && x.stride(0) >= x.size(1) &&
                     y.stride(0) >= y.size(1),
@@ -266,13 +283,32 @@ void lora_apply(const at::Tensor &x, const at::Tensor &y, const at::Tensor &pool
                         "B outside the pool");
         }
     }
-    const float *xs = x.data_ptr<float>();
-    float *ys = y.data_ptr<float>();
     const bool bf16 = pool.scalar_type() == at::kBFloat16;
     const float *weights32 = bf16 ? nullptr : pool.data_ptr<float>();
     const uint16_t *weights16 =
         bf16 ? reinterpret_cast<const uint16_t *>(pool.data_ptr<at::BFloat16>()) : nullptr;
-    const int64_t ldx = x.stride(0), ldy = y.stride(0);
+    const bool narrow_io = x.scalar_type() == at::kBFloat16;
+    const float *xs;
+    float *ys;
+    int64_t ldx, ldy;
+    thread_local std::vector<float> x_wide, y_sums;  // bfloat16 x and y: float32 working rows
+    if (narrow_io) {
+        x_wide.resize(static_cast<size_t>(tokens * fan_in));
+        y_sums.resize(static_cast<size_t>(tokens * fan_out));
+        const auto *x16 = reinterpret_cast<const uint16_t *>(x.data_ptr<at::BFloat16>());
+        for (int64_t s = 0; s < segments; ++s) {
+            const int64_t *p = rows_of + s * width;
+            if (p[3] == 0) continue;
+            for (int64_t t = p[0]; t < p[1]; ++t) {
+                widen_block(1, static_cast<int>(fan_in), x16 + t * x.stride(0), 0,
+                            x_wide.data() + t * fan_in);
+                std::fill_n(y_sums.data() + t * fan_out, fan_out, 0.0f);
+            }
+        }
+        xs = x_wide.data(), ys = y_sums.data(), ldx = fan_in, ldy = fan_out;
+    } else {
+        xs = x.data_ptr<float>(), ys = y.data_ptr<float>(), ldx = x.stride(0), ldy = y.stride(0);
+    }
     const int threads = std::max(1, at::get_num_threads());
 
     // Every segment's shrunk rows ([n, rows], row-major) in one buffer.
@@ -369,19 +405,27 @@ void lora_apply(const at::Tensor &x, const at::Tensor &y, const at::Tensor &pool
     if (team <= 1) {
         for (const auto &piece : shrinks) shrink(piece);
         for (const auto &piece : expands) expand(piece);
-        return;
-    }
-    // A team may come smaller than asked (a nested region runs on one thread): each thread takes
-    // every share its number strides to, so no share is left undone.
+    } else {
+        // A team may come smaller than asked (a nested region runs on one thread): each thread
+        // takes every share its number strides to, so no share is left undone.
 #pragma omp parallel num_threads(team)
-    {
-        const size_t first = static_cast<size_t>(omp_get_thread_num());
-        const size_t stride = static_cast<size_t>(omp_get_num_threads());
-        for (size_t t = first; t < shrink_share.size(); t += stride)
-            for (const Piece *piece : shrink_share[t]) shrink(*piece);
+        {
+            const size_t first = static_cast<size_t>(omp_get_thread_num());
+            const size_t stride = static_cast<size_t>(omp_get_num_threads());
+            for (size_t t = first; t < shrink_share.size(); t += stride)
+                for (const Piece *piece : shrink_share[t]) shrink(*piece);
 #pragma omp barrier
-        for (size_t t = first; t < expand_share.size(); t += stride)
-            for (const Piece *piece : expand_share[t]) expand(*piece);
+            for (size_t t = first; t < expand_share.size(); t += stride)
+                for (const Piece *piece : expand_share[t]) expand(*piece);
+        }
+    }
+    if (!narrow_io) return;
+    auto *y16 = reinterpret_cast<uint16_t *>(y.data_ptr<at::BFloat16>());
+    for (int64_t s = 0; s < segments; ++s) {
+        const int64_t *p = rows_of + s * width;
+        if (p[3] == 0) continue;
+        for (int64_t t = p[0]; t < p[1]; ++t) add_narrow(fan_out, y_sums.data() + t * fan_out,
+                                                          y16 + t * y.stride(0));
     }
 }
 
