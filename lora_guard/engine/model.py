@@ -288,16 +288,35 @@ class LlamaModel:
             flat = attn.decode_slots.flatten()
             kd = k_cache.index_select(0, flat).view(batch, ctx, s.num_kv_heads, s.head_dim)
             vd = v_cache.index_select(0, flat).view(batch, ctx, s.num_kv_heads, s.head_dim)
-            o = F.scaled_dot_product_attention(
-                q[attn.decode_rows][:, :, None, :],
-                kd.transpose(1, 2),
-                vd.transpose(1, 2),
-                attn_mask=attn.decode_mask[:, None, None, :],
-                scale=self.scale,
-                enable_gqa=gqa,
-            )
-            out[attn.decode_rows] = o.squeeze(2)
+            qd = q[attn.decode_rows]
+            if self.device.type == "cpu" and self.dtype != torch.float32:
+                out[attn.decode_rows] = self._grouped_decode(qd, kd, vd, attn.decode_mask)
+            else:
+                o = F.scaled_dot_product_attention(
+                    qd[:, :, None, :],
+                    kd.transpose(1, 2),
+                    vd.transpose(1, 2),
+                    attn_mask=attn.decode_mask[:, None, None, :],
+                    scale=self.scale,
+                    enable_gqa=gqa,
+                )
+                out[attn.decode_rows] = o.squeeze(2)
         return out.view(q.shape[0], -1)
+
+    def _grouped_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """One query per sequence, in float32, each KV head's query heads as one group (no copy
+        of K or V per query head): torch's CPU attention in bfloat16 takes 6.5x longer for
+        these shapes, and rounds more (docs/engine.md). q [B, heads, D]; k, v [B, ctx, KV
+        heads, D]; mask [B, ctx], True where a sequence attends."""
+        s = self.spec
+        batch, group = q.shape[0], s.num_heads // s.num_kv_heads
+        qg = q.view(batch, s.num_kv_heads, group, s.head_dim).float()
+        scores = torch.matmul(qg, k.permute(0, 2, 3, 1).float()) * self.scale
+        scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+        o = torch.matmul(scores.softmax(-1), v.transpose(1, 2).float())
+        return o.view(batch, s.num_heads, s.head_dim).to(q.dtype)
 
 
 def _load_safetensors(model_dir: Path, spec: ModelSpec) -> dict[str, torch.Tensor]:

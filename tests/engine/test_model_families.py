@@ -211,3 +211,36 @@ def test_bfloat16_runs_base_and_adapter(tiny_model: Path, tmp_path: Path) -> Non
         llm.engine.check_no_leaks()
     finally:
         llm.engine.shutdown()
+
+
+def test_bfloat16_decode_attention_on_the_cpu_is_torchs_float32_attention_rounded_once(
+    tiny_model: Path,
+) -> None:
+    # The grouped float32 path that bfloat16 decodes take on the CPU: every query head against
+    # its KV head, padded positions masked, within one bfloat16 rounding of float32 attention.
+    llm = LLM(tiny_model, kv_cache_memory="4MiB", dtype="bfloat16", device="cpu")
+    try:
+        model, spec = llm.engine.model, llm.engine.model.spec
+        torch.manual_seed(0)
+        batch, ctx = 5, 23
+        q = torch.randn(batch, spec.num_heads, spec.head_dim).bfloat16()
+        k = torch.randn(batch, ctx, spec.num_kv_heads, spec.head_dim).bfloat16()
+        v = torch.randn(batch, ctx, spec.num_kv_heads, spec.head_dim).bfloat16()
+        mask = torch.arange(ctx)[None, :] < torch.tensor([23, 1, 9, 17, 4])[:, None]
+        got = model._grouped_decode(q, k, v, mask)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.float()[:, :, None, :],
+            k.float().transpose(1, 2),
+            v.float().transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=model.scale,
+            enable_gqa=spec.num_heads != spec.num_kv_heads,
+        ).squeeze(2)
+        assert got.dtype == torch.bfloat16
+        assert torch.allclose(got.float(), want, atol=0, rtol=2**-8)
+        assert torch.equal(
+            got[1].float(),
+            v[1, 0].float().repeat_interleave(spec.num_heads // spec.num_kv_heads, dim=0),
+        )  # one position: its value, whatever the scores
+    finally:
+        llm.engine.shutdown()
