@@ -116,7 +116,8 @@ class AffinityRanker:
         if not held:
             return
         victim = min(held, key=lambda a: (self._last_routed.get((rid, a), -math.inf), a))
-        if self._loading.pop((rid, victim), None) is None or victim in replica.resident:
+        self._loading.pop((rid, victim), None)
+        if victim in replica.resident:
             self._leaving[rid, victim] = (now + self.reservation_s, replica.loads)
 
     def _left(self, replica: ReplicaView, adapter_id: str) -> bool:

@@ -8,7 +8,9 @@ each turn serves the next 64 requests of the bench's default trace (`lora-guard 
 prompts: a tenant's system prompt and a question; `--output-mean` new tokens on average) with
 one of the two decode paths, the order alternating pair by pair, so a shared machine's drift
 falls on both.
-Prints each turn's tokens/s and median decode-only step, then each pair's ratio.
+Prints each turn's tokens/s and median decode-only step, then each pair's ratio; first, one
+layer's decode attention alone for 32 sequences of 140 positions, each path in bfloat16 and
+torch's kernel in float32.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
 from lora_guard import LLM, SamplingParams
@@ -28,6 +30,33 @@ from lora_guard.engine.model import ATTENTION_BACKENDS
 from lora_guard.workload.trace import make_trace
 
 CHUNK = 64
+
+
+def one_layer(model: Any, batch: int = 32, ctx: int = 140, calls: int = 50) -> None:
+    """Microseconds a call of each decode path takes on one layer's shapes."""
+    spec = model.spec
+    torch.manual_seed(0)
+    q = torch.randn(batch, spec.num_heads, spec.head_dim)
+    k = torch.randn(batch, ctx, spec.num_kv_heads, spec.head_dim)
+    v = torch.randn(batch, ctx, spec.num_kv_heads, spec.head_dim)
+    mask = torch.arange(ctx)[None, :] < torch.randint(ctx // 2, ctx + 1, (batch,))[:, None]
+
+    def timed(path: Any, dtype: torch.dtype) -> float:
+        args = (q.to(dtype), k.to(dtype), v.to(dtype), mask)
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            path(*args)
+            started = time.perf_counter()
+            for _ in range(calls):
+                path(*args)
+        return (time.perf_counter() - started) / calls * 1e6
+
+    bf16 = torch.bfloat16
+    print(
+        f"one layer, {batch} sequences of {ctx} positions: grouped float32 "
+        f"{timed(model._grouped_decode, bf16):.0f} us, torch's kernel in bfloat16 "
+        f"{timed(model._torch_decode, bf16):.0f} us, in float32 "
+        f"{timed(model._torch_decode, torch.float32):.0f} us"
+    )
 
 
 def main() -> int:
@@ -54,27 +83,13 @@ def main() -> int:
     )
     model = llm.engine.model
     grouped = model._grouped_decode
-
-    def torch_kernel(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        gqa = model.spec.num_heads != model.spec.num_kv_heads
-        with sdpa_kernel(ATTENTION_BACKENDS):
-            out = F.scaled_dot_product_attention(
-                q[:, :, None, :],
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                attn_mask=mask[:, None, None, :],
-                scale=model.scale,
-                enable_gqa=gqa,
-            )
-        return out.squeeze(2)
+    one_layer(model)
 
     rates: dict[str, list[float]] = {"grouped": [], "torch": []}
     for turn in range(args.turns):
         pair, second = divmod(turn, 2)
         name = ("grouped", "torch")[second ^ (pair % 2)]
-        model._grouped_decode = grouped if name == "grouped" else torch_kernel  # type: ignore[method-assign]
+        model._grouped_decode = grouped if name == "grouped" else model._torch_decode  # type: ignore[method-assign]
         part = trace[turn * CHUNK : (turn + 1) * CHUNK]
         params = [SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=True) for r in part]
         steps_before = llm.engine.stats.steps

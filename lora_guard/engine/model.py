@@ -288,27 +288,31 @@ class LlamaModel:
             flat = attn.decode_slots.flatten()
             kd = k_cache.index_select(0, flat).view(batch, ctx, s.num_kv_heads, s.head_dim)
             vd = v_cache.index_select(0, flat).view(batch, ctx, s.num_kv_heads, s.head_dim)
-            qd = q[attn.decode_rows]
-            if self.device.type == "cpu" and self.dtype != torch.float32:
-                out[attn.decode_rows] = self._grouped_decode(qd, kd, vd, attn.decode_mask)
-            else:
-                o = F.scaled_dot_product_attention(
-                    qd[:, :, None, :],
-                    kd.transpose(1, 2),
-                    vd.transpose(1, 2),
-                    attn_mask=attn.decode_mask[:, None, None, :],
-                    scale=self.scale,
-                    enable_gqa=gqa,
-                )
-                out[attn.decode_rows] = o.squeeze(2)
+            grouped = self.device.type == "cpu" and self.dtype != torch.float32
+            decode = self._grouped_decode if grouped else self._torch_decode
+            out[attn.decode_rows] = decode(q[attn.decode_rows], kd, vd, attn.decode_mask)
         return out.view(q.shape[0], -1)
+
+    def _torch_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """torch's attention kernel, one query per sequence (shapes as ``_grouped_decode``)."""
+        o = F.scaled_dot_product_attention(
+            q[:, :, None, :],
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=self.scale,
+            enable_gqa=self.spec.num_heads != self.spec.num_kv_heads,
+        )
+        return o.squeeze(2)
 
     def _grouped_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """One query per sequence, in float32, each KV head's query heads as one group (no copy
-        of K or V per query head): torch's CPU attention in bfloat16 takes 6.5x longer for
-        these shapes, and rounds more (docs/engine.md). q [B, heads, D]; k, v [B, ctx, KV
+        of K or V per query head): torch's CPU attention in bfloat16 is slower for these
+        shapes, and rounds more (docs/engine.md). q [B, heads, D]; k, v [B, ctx, KV
         heads, D]; mask [B, ctx], True where a sequence attends."""
         s = self.spec
         batch, group = q.shape[0], s.num_heads // s.num_kv_heads
