@@ -80,20 +80,25 @@ class Shape:
             "num_key_value_heads": tiny.kv_heads,
         }
 
-    def scale(self, model: Path) -> float:
-        """Bytes on this shape per byte of the same adapter (or KV) on the checkpoint ``model``
-        (float32), which must have this shape's proportions."""
+    @classmethod
+    def of_checkpoint(cls, model: Path, dtype_bytes: int = TINY_DTYPE_BYTES) -> Shape:
+        """The shape in a checkpoint's ``config.json``."""
         config = json.loads((model / "config.json").read_text())
         heads = config["num_attention_heads"]
-        here = Shape(
+        return cls(
             str(model),
             config["hidden_size"],
             config["intermediate_size"],
             config["num_hidden_layers"],
             heads,
             config.get("num_key_value_heads", heads),
-            TINY_DTYPE_BYTES,
+            dtype_bytes,
         )
+
+    def scale(self, model: Path) -> float:
+        """Bytes on this shape per byte of the same adapter (or KV) on the checkpoint ``model``
+        (float32), which must have this shape's proportions."""
+        here = Shape.of_checkpoint(model)
         ratio = self.lora_bytes(1) / here.lora_bytes(1)
         if not math.isclose(ratio, self.kv_bytes_per_token() / here.kv_bytes_per_token()):
             raise ValueError(

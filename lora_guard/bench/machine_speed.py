@@ -18,13 +18,14 @@ from collections.abc import Sequence
 SHAPE = (64, 576, 1536)
 
 
-def machine_speed(seconds: float = 0.5) -> float:
-    """GFLOP/s of float32 matrix products of :data:`SHAPE`, run back to back for ``seconds`` on
-    every thread torch uses."""
+def machine_speed(seconds: float = 0.5, dtype: str = "float32") -> float:
+    """GFLOP/s of matrix products of :data:`SHAPE` in ``dtype`` (a torch dtype's name), run back
+    to back for ``seconds`` on every thread torch uses."""
     import torch
 
     rows, inner, cols = SHAPE
-    a, b = torch.randn(rows, inner), torch.randn(inner, cols)
+    kind = getattr(torch, dtype)
+    a, b = torch.randn(rows, inner, dtype=kind), torch.randn(inner, cols, dtype=kind)
     torch.mm(a, b)  # not timed: the first call builds the kernel
     products = 0
     start = time.perf_counter()
@@ -40,12 +41,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Print this machine's speed on a fixed matrix product, once a second.",
     )
     parser.add_argument("--seconds", type=int, default=60, help="how long to watch")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="of the products",
+    )
     args = parser.parse_args(argv)
     if args.seconds < 1:
         parser.error("--seconds must be at least 1")
     speeds = []
     for second in range(args.seconds):
-        speeds.append(machine_speed(1.0))
+        speeds.append(machine_speed(1.0, args.dtype))
         print(f"{second + 1:4d} s  {speeds[-1]:7.1f} GFLOP/s", flush=True)
     low, high = min(speeds), max(speeds)
     print(

@@ -1,12 +1,17 @@
-"""transformers + PEFT behind an OpenAI completions route: the server a team writes first, as the
-capacity sweep's PEFT peer.
+"""transformers + PEFT behind an OpenAI completions route, batched continuously: the capacity
+sweep's PEFT peer, as strong as transformers and PEFT make it without an engine of their own.
 
     python -m lora_guard.bench.peft_server --model DIR --adapter-dir DIR --adapters a,b --port P
 
-Every adapter is loaded at start. One worker takes every request waiting (up to ``MAX_BATCH``)
-and runs them as one mixed-adapter ``generate`` (``adapter_names``), streaming each request's
-tokens as they come; the batch runs to its longest ``max_tokens``, and the next batch starts when
-it returns (static batching: nothing joins a running batch).
+Every adapter is loaded at start, in the model's dtype (PEFT would otherwise keep float16 and
+bfloat16 adapters in float32). transformers' own continuous batching takes no adapter per
+request, so one worker thread batches at the iteration level itself: each step, requests that
+arrived are prefilled together (left-padded, each row with its adapter through PEFT's
+``adapter_names``) and join the running batch; then every running request decodes one token in
+one mixed-adapter forward; a request leaves the batch at its last token and its KV rows with it.
+Up to ``MAX_BATCH`` requests run at once; tokens stream as they come. What it lacks beside a
+serving engine: a prefix cache (every prompt is prefilled whole) and paged KV (the batch's KV is
+one padded tensor a layer, copied as requests join and leave).
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-MAX_BATCH = 32
+MAX_BATCH = 64
 BASE_NAME = "base"
 _BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
 
@@ -39,32 +45,70 @@ class _Ask:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
     error: str | None = None  # why its batch failed
+    sent: int = 0  # tokens generated so far
 
     def put(self, token: int | None) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, token)
 
 
-class _Streamer:
-    """``generate``'s streamer: hands each step's new token to its request, up to its length."""
+class Batch:
+    """The running requests, their KV (one left-padded tensor a layer), the mask of the real
+    positions in it, and each row's last token and length."""
 
-    def __init__(self, batch: list[_Ask]) -> None:
-        self.batch = batch
-        self.step = -1  # the first call carries the prompts
+    def __init__(self) -> None:
+        self.clear()
 
-    def put(self, value: torch.Tensor) -> None:
-        self.step += 1
-        if self.step == 0:
+    def clear(self) -> None:
+        self.asks: list[_Ask] = []
+        self.cache: Any = None  # transformers' DynamicCache, rows in the order of ``asks``
+        self.mask = torch.zeros(0, 0, dtype=torch.long)
+        self.last = torch.zeros(0, 1, dtype=torch.long)
+        self.lengths = torch.zeros(0, 1, dtype=torch.long)
+
+    def join(self, asks: list[_Ask], cache: Any, mask: torch.Tensor, first: torch.Tensor) -> None:
+        """Add prefilled ``asks`` (their cache, mask and first tokens) to the batch."""
+        lengths = mask.sum(-1, keepdim=True)
+        if self.cache is None:
+            self.asks, self.cache, self.mask = list(asks), cache, mask
+            self.last, self.lengths = first, lengths
             return
-        for ask, token in zip(self.batch, value.reshape(-1).tolist(), strict=True):
-            if self.step <= ask.max_tokens:
-                ask.put(int(token))
+        width = max(self.mask.shape[1], mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
+            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
+            mine.values = torch.cat(
+                [_left_pad(mine.values, width), _left_pad(theirs.values, width)]
+            )
+        self.mask = torch.cat([_left_pad_mask(self.mask, width), _left_pad_mask(mask, width)])
+        self.asks += asks
+        self.last = torch.cat([self.last, first])
+        self.lengths = torch.cat([self.lengths, lengths])
 
-    def end(self) -> None:
-        pass
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows``; drop the columns no row uses any more."""
+        if not rows:
+            self.clear()
+            return
+        index = torch.tensor(rows)
+        self.cache.batch_select_indices(index)
+        self.asks = [self.asks[i] for i in rows]
+        self.mask, self.last, self.lengths = self.mask[index], self.last[index], self.lengths[index]
+        unused = int((self.mask.sum(0) == 0).long().cumprod(0).sum())  # leading empty columns
+        if unused:
+            self.mask = self.mask[:, unused:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    return F.pad(t, (0, 0, width - t.shape[-2], 0))
+
+
+def _left_pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
+    return F.pad(mask, (width - mask.shape[1], 0))
 
 
 class PeftWorker:
-    """The model, its adapters, and the thread that runs batches."""
+    """The model, its adapters, and the thread that steps the batch."""
 
     def __init__(self, model: str, adapter_dir: str, adapters: list[str], dtype: str) -> None:
         from peft import PeftModel
@@ -76,46 +120,89 @@ class PeftWorker:
         for i, name in enumerate(adapters):
             path = f"{adapter_dir}/{name}"
             if i == 0:
-                self.model = PeftModel.from_pretrained(base, path, adapter_name=name)
+                self.model = PeftModel.from_pretrained(
+                    base, path, adapter_name=name, autocast_adapter_dtype=False
+                )
             else:
-                self.model.load_adapter(path, adapter_name=name)
+                self.model.load_adapter(path, adapter_name=name, autocast_adapter_dtype=False)
         self.model.eval()
         self.adapters = set(adapters)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.waiting: queue.Queue[_Ask] = queue.Queue()
+        self.batch = Batch()
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
         while True:
-            batch = [self.waiting.get()]
-            while len(batch) < MAX_BATCH and not self.waiting.empty():
-                batch.append(self.waiting.get_nowait())
+            # an idle worker sleeps until a request comes
+            arrived = [] if self.batch.asks else [self.waiting.get()]
+            while len(self.batch.asks) + len(arrived) < MAX_BATCH and not self.waiting.empty():
+                arrived.append(self.waiting.get_nowait())
             try:
-                self._generate(batch)
-            except Exception as exc:  # every request of the batch ends in the error
-                print(f"batch failed: {exc}", flush=True)
-                for ask in batch:
-                    ask.error = f"{type(exc).__name__}: {exc}"
-            for ask in batch:
-                ask.put(None)
+                with torch.no_grad():
+                    if arrived:
+                        self._prefill(arrived)
+                    self._decode()
+            except Exception as exc:  # every running request ends in the error
+                print(f"step failed: {exc}", flush=True)
+                running = {id(a): a for a in [*self.batch.asks, *arrived]}
+                for ask in running.values():
+                    if ask.sent < ask.max_tokens:
+                        ask.error = f"{type(exc).__name__}: {exc}"
+                        ask.put(None)
+                self.batch.clear()
 
-    def _generate(self, batch: list[_Ask]) -> None:
-        width = max(len(a.prompt) for a in batch)
-        ids = torch.tensor([[self.pad] * (width - len(a.prompt)) + a.prompt for a in batch])
-        mask = torch.tensor([[0] * (width - len(a.prompt)) + [1] * len(a.prompt) for a in batch])
-        new = max(a.max_tokens for a in batch)
-        with torch.no_grad():
-            self.model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=self.pad,
-                streamer=_Streamer(batch),
-                adapter_names=[a.adapter or _BASE for a in batch],
-            )
+    def _names(self, asks: list[_Ask]) -> list[str]:
+        return [a.adapter or _BASE for a in asks]
+
+    def _prefill(self, asks: list[_Ask]) -> None:
+        """Prefill ``asks`` together; each gets its first token, and those asking for more join
+        the batch."""
+        from transformers import DynamicCache
+
+        width = max(len(a.prompt) for a in asks)
+        ids = torch.tensor([[self.pad] * (width - len(a.prompt)) + a.prompt for a in asks])
+        mask = torch.tensor([[0] * (width - len(a.prompt)) + [1] * len(a.prompt) for a in asks])
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            past_key_values=DynamicCache(),
+            use_cache=True,
+            adapter_names=self._names(asks),
+        )
+        first = out.logits[:, -1].argmax(-1, keepdim=True)
+        self.batch.join(asks, out.past_key_values, mask, first)
+        self._emit(first.reshape(-1).tolist(), start=len(self.batch.asks) - len(asks))
+
+    def _decode(self) -> None:
+        """One token for every running request, in one forward."""
+        batch = self.batch
+        if not batch.asks:
+            return
+        mask = F.pad(batch.mask, (0, 1), value=1)
+        out = self.model(
+            input_ids=batch.last,
+            attention_mask=mask,
+            position_ids=batch.lengths,
+            past_key_values=batch.cache,
+            use_cache=True,
+            adapter_names=self._names(batch.asks),
+        )
+        batch.cache, batch.mask = out.past_key_values, mask
+        batch.last = out.logits[:, -1].argmax(-1, keepdim=True)
+        batch.lengths = batch.lengths + 1
+        self._emit(batch.last.reshape(-1).tolist(), start=0)
+
+    def _emit(self, tokens: list[int], start: int) -> None:
+        """Hand rows ``start``.. their new tokens; requests that have all theirs leave."""
+        batch = self.batch
+        for ask, token in zip(batch.asks[start:], tokens, strict=True):
+            ask.sent += 1
+            ask.put(token)
+            if ask.sent >= ask.max_tokens:
+                ask.put(None)
+        batch.keep([i for i, a in enumerate(batch.asks) if a.sent < a.max_tokens])
 
 
 def build_app(worker: PeftWorker) -> Any:
@@ -136,10 +223,16 @@ def build_app(worker: PeftWorker) -> Any:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             return JSONResponse({"error": {"message": "`prompt` must be one string"}}, 400)
+        max_tokens = body.get("max_tokens", 16)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            return JSONResponse({"error": {"message": "`max_tokens` must be an integer >= 1"}}, 400)
+        ids = encode_text(worker.tokenizer, prompt)
+        if not ids:
+            return JSONResponse({"error": {"message": "`prompt` has no tokens"}}, 400)
         ask = _Ask(
-            encode_text(worker.tokenizer, prompt),
+            ids,
             None if model == BASE_NAME else model,
-            int(body.get("max_tokens") or 16),
+            max_tokens,
             asyncio.get_running_loop(),
         )
         worker.waiting.put(ask)

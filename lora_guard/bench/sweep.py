@@ -7,8 +7,10 @@ each N of the sweep. The saturated throughput is the best N's; the knee, the few
 reach 95% of it. Then, with every system's capacity known, each is started
 again and the trace arrives open-loop at ``--matched-load`` of the smallest capacity: the latency
 each gives at the same load, below every system's knee. Before each point the machine's own speed
-is measured (:mod:`lora_guard.bench.machine_speed`) and kept beside it: on a shared machine it
-moves, and a ratio of two systems measured minutes apart moves with it.
+is measured (:mod:`lora_guard.bench.machine_speed`, in the run's dtype) and kept beside it: on a
+shared machine it moves, and a ratio of two systems measured minutes apart moves with it. Each
+point's throughput is also read as a share of that rate (:mod:`lora_guard.bench.ceiling`): its
+generated tokens' FLOPs a second over the machine's matrix FLOPs a second.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import httpx
 
 from lora_guard.bench.arguments import workload_spec
+from lora_guard.bench.ceiling import Ceiling, machine_share
 from lora_guard.bench.load import Reply, busy_throughput, closed_loop, open_loop
 from lora_guard.bench.machine_speed import machine_speed
 from lora_guard.bench.peer_env import PeerError
@@ -51,6 +54,7 @@ SYSTEMS = ("lora-guard", "peft", "vllm", "vllm-reserved", "llama.cpp")
 KNEE_SHARE = 0.95  # the knee: the fewest clients that reach this share of the best throughput
 # What lora-guard's saturated throughput is held against (issue-stated targets).
 THROUGHPUT_TARGETS = {"vllm": 3.0, "vllm-reserved": 3.0, "peft": 3.0, "llama.cpp": 2.0}
+MACHINE_SHARE_TARGET = 0.5  # lora-guard's saturated FLOPs a second, at least this of the machine's
 LATENCY_TARGET = 0.5  # lora-guard's TTFT p95 at matched load, at most this share of each peer's
 FLAT = 1.05  # a point within this factor of the one before: the throughput is flat
 BEYOND = 2  # a system still rising at the last N is swept up to this times the last N
@@ -75,6 +79,10 @@ class Point:
     machine_gflops: float | None = None
     # prompt tokens the server found in its prefix cache over all it was sent, where it says
     prefix_cache_hit_rate: float | None = None
+    # FLOPs a generated token of the point's trace costs (lora_guard.bench.ceiling), and the
+    # share of the machine's matrix rate the throughput's FLOPs take
+    flops_per_token: float | None = None
+    machine_share: float | None = None
 
 
 def measure(
@@ -153,11 +161,13 @@ def run_system(
     runs: list[tuple[int, list[TraceRequest]]],
     progress: Callable[[str], None],
     more: Callable[[list[Point]], tuple[int, list[TraceRequest]] | None] | None = None,
+    ceiling: Ceiling | None = None,
 ) -> tuple[list[Point], int]:
     """Start ``system``, then for each (clients, trace) of ``runs``: -1 warms it (one client,
     not measured), 0 sends the trace open-loop, N > 0 runs a closed loop of N clients; then the
     runs ``more`` asks for, given the points so far, until it gives None; stop it. Returns the
-    points and the server's peak RSS (its processes summed)."""
+    points and the server's peak RSS (its processes summed). ``ceiling``: the machine's rate
+    in the run's dtype and each point's FLOPs a token (else the rate in float32 alone)."""
     server = start_server(system.launch, log_file)
     points: list[Point] = []
     peak = 0
@@ -175,7 +185,7 @@ def run_system(
                 if failed:
                     raise PeerError(f"{system.name}: the warm-up failed: {failed[0]}")
                 continue
-            speed = machine_speed()
+            speed = ceiling.machine_gflops() if ceiling is not None else machine_speed()
             cached_before = cache_counts(url, system.cache_counters)
             started = time.monotonic()
             if clients:
@@ -185,11 +195,17 @@ def run_system(
             point = measure(replies, trace, clients, speed)
             hit_rate = cache_hit_rate(cached_before, cache_counts(url, system.cache_counters))
             point = replace(point, prefix_cache_hit_rate=hit_rate)
+            if ceiling is not None:
+                flops = ceiling.flops(trace)
+                share = machine_share(point.tokens_per_s, flops, speed)
+                point = replace(point, flops_per_token=flops, machine_share=share)
             peak = max(peak, tree_rss(server.pid))
             points.append(point)
             failed = [r.error for r in replies if r.error is not None]
             what = f"N={clients}" if clients else "matched load"
             cache = "" if hit_rate is None else f", prefix cache hit {hit_rate:.2f}"
+            if point.machine_share is not None:
+                cache += f", {point.machine_share:.2f} of the machine"
             progress(
                 f"{system.name} {what}: {point.tokens_per_s:.1f} tok/s, TTFT p50 "
                 f"{_ms(point.ttft_p50_ms)} p95 {_ms(point.ttft_p95_ms)}, "
@@ -278,6 +294,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         dtype=args.dtype,
         max_num_seqs=max(64, BEYOND * max(sweep)),
     )
+    ceiling = Ceiling.of(Path(model), Path(adapter_dir), adapters, args.dtype)
     warm = [TraceRequest(f"warm-{a}", 0.0, "t0", a, "Warm-up.", 2) for a in [None, *adapters]]
     report: dict[str, Any] = {
         "command": "lora-guard " + " ".join(argv),
@@ -304,7 +321,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                     return None if n is None else (n, traces.point(n))
 
                 log = Path(scratch) / f"{name}.log"
-                points, peak = run_system(system, log, runs, progress, more)
+                points, peak = run_system(system, log, runs, progress, more, ceiling)
                 logs[f"{name}-sweep"] = shared(log.read_text(errors="replace"))
                 report["systems"][name] = {
                     "launch": system.launch.as_json(),
@@ -328,7 +345,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             for name, system in made.items():
                 progress(f"{name}: the trace at {rate:.2f} requests/s (matched load)")
                 log = Path(scratch) / f"{name}-matched.log"
-                points, _ = run_system(system, log, [(-1, warm), (0, matched)], progress)
+                points, _ = run_system(
+                    system, log, [(-1, warm), (0, matched)], progress, ceiling=ceiling
+                )
                 logs[f"{name}-matched"] = shared(log.read_text(errors="replace"))
                 report["systems"][name]["matched"] = asdict(points[0])
         except (PeerError, OSError) as exc:
@@ -359,11 +378,22 @@ def _regime(args: argparse.Namespace) -> str:
 
 
 def sweep_targets(systems: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """lora-guard's saturated throughput and matched-load TTFT p95 against each peer's."""
+    """lora-guard's saturated throughput against the machine's matrix rate, and its saturated
+    throughput and matched-load TTFT p95 against each peer's."""
     ours = systems.get("lora-guard")
     if ours is None:
         return []
     found = []
+    share = ours["saturated"].get("machine_share")
+    if share is not None:
+        found.append(
+            {
+                "what": "saturated tok/s x FLOPs a token over the machine's matrix rate",
+                "goal": f">= {MACHINE_SHARE_TARGET:g}",
+                "value": share,
+                "met": share >= MACHINE_SHARE_TARGET,
+            }
+        )
     for peer, goal in THROUGHPUT_TARGETS.items():
         if peer not in systems:
             continue
@@ -407,8 +437,8 @@ def target_lines(targets: list[dict[str, Any]]) -> list[str]:
 def sweep_table(systems: dict[str, dict[str, Any]]) -> str:
     rows = [
         "| system | clients | tok/s | TTFT p50 | TTFT p95 | e2e p95 | done | prefix cache hit "
-        "| machine GFLOP/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| machine GFLOP/s | of the machine |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, found in systems.items():
         best = found["saturated"]["clients"]
@@ -419,7 +449,8 @@ def sweep_table(systems: dict[str, dict[str, Any]]) -> str:
                 f"| {name} | {clients}{mark} | {p['tokens_per_s']:.1f} | "
                 f"{_ms(p['ttft_p50_ms'])} | {_ms(p['ttft_p95_ms'])} | "
                 f"{_ms(p['e2e_p95_ms'])} | {p['completed']}/{p['requests']} | "
-                f"{_share(p.get('prefix_cache_hit_rate'))} | {_gflops(p.get('machine_gflops'))} |"
+                f"{_share(p.get('prefix_cache_hit_rate'))} | {_gflops(p.get('machine_gflops'))} | "
+                f"{_share(p.get('machine_share'))} |"
             )
     return "\n".join(rows)
 

@@ -3,7 +3,8 @@ checkpoint, adapters, dtype, cores and KV space where the server lets it be set.
 
 - ``lora-guard``: ``lora-guard serve`` (its defaults: prefix caching on), ``--cache-memory`` the KV
   space, adapters named by ``model``.
-- ``peft``: transformers + PEFT behind :mod:`lora_guard.bench.peft_server` (static batches).
+- ``peft``: transformers + PEFT behind :mod:`lora_guard.bench.peft_server` (continuous batching
+  of mixed-adapter forwards, adapters in the model's dtype).
 - ``vllm``: vLLM's CPU build as its CPU docs ask (:func:`lora_guard.bench.vllm_peer.vllm_launch`),
   computing on every core; ``vllm-reserved``: the same in its documented layout, a core kept for
   its serving process.

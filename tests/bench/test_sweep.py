@@ -185,9 +185,13 @@ def test_one_command_sweeps_lora_guard_and_peft_over_http(
         assert found["launch"]["command"][1:3] == ["-m", module]  # how it ran, in the report
         assert out.with_name(f"sweep.{name}-sweep.log").exists()
     assert report["regime"] == "everything fits: 3 adapters, 3 seats"
+    for found in report["systems"].values():
+        for p in [*found["points"], found["matched"]]:  # how close to the machine it ran
+            assert p["flops_per_token"] > 0 and 0 < p["machine_share"] < 1
     assert [t["what"] for t in report["targets"]] == [
+        "saturated tok/s x FLOPs a token over the machine's matrix rate",
         "saturated tok/s vs peft",
         "TTFT p95 at matched load vs peft",
     ]
     assert "| lora-guard | matched load |" in done.stdout
-    assert "| machine GFLOP/s |" in done.stdout
+    assert "| machine GFLOP/s | of the machine |" in done.stdout
