@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -274,11 +275,16 @@ def _bench(args: argparse.Namespace) -> int:
                     "repeats": args.repeats,
                     "prefix_caching": args.prefix_caching,
                     "rows": [
-                        asdict(r)
-                        | {
-                            "mixed_over_base": r.mixed_over_base,
-                            "over_floor": r.over_floor,
-                            "speedup_over_peft": r.speedup_over_peft,
+                        {
+                            k: _json_value(v)
+                            for k, v in (
+                                asdict(r)
+                                | {
+                                    "mixed_over_base": r.mixed_over_base,
+                                    "over_floor": r.over_floor,
+                                    "speedup_over_peft": r.speedup_over_peft,
+                                }
+                            ).items()
                         }
                         for r in rows
                     ],
@@ -345,11 +351,18 @@ def _peft_figures(
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    # the adapters in the model's dtype, as the engine keeps them (PEFT's default keeps float16
+    # and bfloat16 adapters in float32)
     model = PeftModel.from_pretrained(
-        base.to(args.device), str(args.adapter_dir / names[0]), adapter_name=names[0]
+        base.to(args.device),
+        str(args.adapter_dir / names[0]),
+        adapter_name=names[0],
+        autocast_adapter_dtype=False,
     )
     for name in names[1:]:
-        model.load_adapter(str(args.adapter_dir / name), adapter_name=name)
+        model.load_adapter(
+            str(args.adapter_dir / name), adapter_name=name, autocast_adapter_dtype=False
+        )
     model.eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     figures = {}
@@ -403,11 +416,11 @@ def _print(rows: list[Row], peak: float, args: argparse.Namespace, names: list[s
         print(
             f"| {r.batch} | {r.engine_base_step_ms:.1f} | {r.engine_mixed_step_ms:.1f} "
             f"| {r.mixed_over_base:.2f}x | {r.bytes_floor:.2f}x | {r.over_floor:.2f}x "
-            f"| {r.peft_base_step_ms:.1f} "
-            f"| {r.peft_mixed_step_ms:.1f} "
-            f"| {r.engine_mixed_tokens_per_s:.1f} | {r.peft_mixed_tokens_per_s:.1f} "
-            f"| {r.speedup_over_peft:.2f}x | {r.engine_mixed_prefill_ms:.0f} "
-            f"| {r.peft_mixed_prefill_ms:.0f} |"
+            f"| {_cell(r.peft_base_step_ms, '.1f')} "
+            f"| {_cell(r.peft_mixed_step_ms, '.1f')} "
+            f"| {r.engine_mixed_tokens_per_s:.1f} | {_cell(r.peft_mixed_tokens_per_s, '.1f')} "
+            f"| {_cell(r.speedup_over_peft, '.2f', 'x')} | {r.engine_mixed_prefill_ms:.0f} "
+            f"| {_cell(r.peft_mixed_prefill_ms, '.0f')} |"
         )
     if args.repeats > 1:
         print(f"\nmedians of {args.repeats} runs; each run's ratios:")
@@ -419,7 +432,21 @@ def _print(rows: list[Row], peak: float, args: argparse.Namespace, names: list[s
 
 
 def _ratios(values: tuple[float, ...]) -> str:
-    return ", ".join(f"{v:.2f}x" for v in values)
+    return ", ".join(_cell(v, ".2f", "x") for v in values)
+
+
+def _cell(value: float, spec: str, unit: str = "") -> str:
+    """``value`` as ``spec`` says, or "-" where it was not measured (NaN: ``--skip-peft``)."""
+    return "-" if math.isnan(value) else f"{value:{spec}}{unit}"
+
+
+def _json_value(value: Any) -> Any:
+    """NaN (not measured) as null, which JSON has; tuples of runs likewise."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, tuple):
+        return [_json_value(v) for v in value]
+    return value
 
 
 if __name__ == "__main__":

@@ -427,7 +427,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def target_lines(targets: list[dict[str, Any]]) -> list[str]:
     lines = []
     for t in targets:
-        value = "-" if t["value"] is None else f"{t['value']:.3g}x"
+        unit = "x" if t["goal"].endswith("x") else ""  # a ratio; a share has none
+        value = "-" if t["value"] is None else f"{t['value']:.3g}{unit}"
         lines.append(
             f"{t['what']}: {value} (target {t['goal']}): {'met' if t['met'] else 'missed'}"
         )

@@ -72,8 +72,14 @@ def test_the_engine_bench_mixes_the_adapters_named_and_refuses_an_unknown_one(
         "--new-tokens",
         "4",
         "--skip-peft",
+        "--json",
+        str(tmp_path / "skip.json"),
     ]
     assert main(argv) == 0
-    assert f"mixed batches cycle over 1 adapters: {chosen};" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"mixed batches cycle over 1 adapters: {chosen};" in printed
+    assert "nan" not in printed  # PEFT's columns say "-": not measured
+    (row,) = json.loads((tmp_path / "skip.json").read_text())["rows"]
+    assert row["peft_mixed_tokens_per_s"] is None and row["engine_mixed_tokens_per_s"] > 0
     assert main([*argv[:4], "--adapter-ids", "nobody", "--skip-peft"]) == 2
     assert "no adapter 'nobody'" in capsys.readouterr().err

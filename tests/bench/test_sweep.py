@@ -104,6 +104,11 @@ def test_targets_built_to_miss_print_missed() -> None:
     ]
     systems["vllm"] = {"saturated": {"tokens_per_s": 5.0}, "matched": {"ttft_p95_ms": 200.0}}
     assert all(line.endswith(": met") for line in target_lines(sweep_targets(systems)))
+    systems["lora-guard"]["saturated"]["machine_share"] = 0.1  # a share, not a ratio: no "x"
+    assert target_lines(sweep_targets(systems))[0] == (
+        "saturated tok/s x FLOPs a token over the machine's matrix rate: 0.1 (target >= 0.5): "
+        "missed"
+    )
 
 
 def test_llama_server_gets_a_slot_per_client_every_core_and_every_adapter() -> None:
