@@ -3,7 +3,8 @@
 On a shared virtual machine the same work can run at very different speeds a minute apart
 (docs/benchmarks.md). The capacity sweep measures this just before each of its points, while the
 server under test is idle, so a figure taken in a slow spell can be told apart from a slow
-system. To watch the machine alone: ``python -m lora_guard.bench.machine_speed --seconds 60``.
+system. To watch the machine alone: ``python -m lora_guard.bench.machine_speed --seconds 60``
+(``--dtype bfloat16``: in a bfloat16 run's dtype).
 """
 
 from __future__ import annotations
