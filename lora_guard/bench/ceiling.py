@@ -12,13 +12,13 @@ few percent of the FLOPs and no matrix product.
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from lora_guard.bench.machine_speed import machine_speed
 from lora_guard.cost_profiles import Shape
+from lora_guard.engine.lora.checkpoint import layer_elements
 from lora_guard.engine.spec import LORA_TARGETS
 from lora_guard.workload.trace import TraceRequest
 
@@ -30,7 +30,7 @@ class TokenWork:
     shape: Shape
     vocab: int
     head_dim: int
-    lora_params: dict[str, int]  # adapter -> weights in its A and B matrices
+    lora_params: dict[str, int]  # adapter -> weights in its A and B matrices (file header)
 
     @classmethod
     def of(cls, model: Path, adapter_dir: Path | None, adapters: Sequence[str]) -> TokenWork:
@@ -38,7 +38,7 @@ class TokenWork:
         shape = Shape.of_checkpoint(model)
         head_dim = config.get("head_dim") or shape.hidden // shape.heads
         params = {
-            a: lora_params(adapter_dir / a / "adapter_model.safetensors")
+            a: sum(sum(ab) for ab in layer_elements(adapter_dir / a).values())
             for a in adapters
             if adapter_dir is not None
         }
@@ -64,21 +64,6 @@ class TokenWork:
         return total / tokens if tokens else 0.0
 
 
-def lora_params(path: Path) -> int:
-    """Weights in the ``lora_A`` and ``lora_B`` tensors of a safetensors file, from its header."""
-    with path.open("rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    total = 0
-    for name, info in header.items():
-        if name != "__metadata__" and ("lora_A" in name or "lora_B" in name):
-            count = 1
-            for dim in info["shape"]:
-                count *= dim
-            total += count
-    return total
-
-
 def machine_share(
     tokens_per_s: float, flops_per_token: float, gflops: float | None
 ) -> float | None:
@@ -94,18 +79,20 @@ class Ceiling:
     generated token of a point's trace costs."""
 
     work: TokenWork
-    count_tokens: Callable[[str], int]  # a prompt's tokens on the model
+    count_tokens: Callable[[str], int]  # a prompt's tokens, as the servers encode it
     dtype: str = "float32"
 
     @classmethod
     def of(
         cls, model: Path, adapter_dir: Path | None, adapters: Sequence[str], dtype: str
     ) -> Ceiling:
-        from tokenizers import Tokenizer
+        from transformers import AutoTokenizer
 
-        tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+        from lora_guard.engine.tokens import encode_text
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
         work = TokenWork.of(model, adapter_dir, adapters)
-        return cls(work, lambda text: len(tokenizer.encode(text).ids), dtype)
+        return cls(work, lambda text: len(encode_text(tokenizer, text)), dtype)
 
     def machine_gflops(self) -> float:
         return machine_speed(dtype=self.dtype)

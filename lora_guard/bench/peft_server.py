@@ -202,7 +202,9 @@ class PeftWorker:
             ask.put(token)
             if ask.sent >= ask.max_tokens:
                 ask.put(None)
-        batch.keep([i for i, a in enumerate(batch.asks) if a.sent < a.max_tokens])
+        running = [i for i, a in enumerate(batch.asks) if a.sent < a.max_tokens]
+        if len(running) < len(batch.asks):  # only then is the KV copied
+            batch.keep(running)
 
 
 def build_app(worker: PeftWorker) -> Any:
