@@ -1,7 +1,7 @@
 """The Ray Serve application: an ingress that takes the HTTP routes and engine replicas behind it.
 
-``Ingress`` reads the adapter a generation request names (TGI's ``parameters.adapter_id``, OpenAI's
-``model``) and the tenant (``lora_guard.tenancy``: ``X-Tenant-Id``, else a gateway's fairness id,
+``Ingress`` reads the adapter a generation request names (``lora_guard.naming``, the server's own
+rule) and the tenant (``lora_guard.tenancy``: ``X-Tenant-Id``, else a gateway's fairness id,
 else ``default``), and forwards the request to the engine deployment through its handle with
 ``multiplexed_model_id="tenant:adapter"``; the request router picks the replica. Each engine
 replica runs the lora-guard engine with its policies and answers the request with lora-guard's own
@@ -25,6 +25,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
+from lora_guard.naming import OPENAI_GENERATE, TGI_GENERATE, adapter_of, named_in
 from lora_guard.serve_ray.asgi import Forwarded, Head, call_app
 from lora_guard.serve_ray.metrics import merge_metrics
 from lora_guard.tenancy import header_tenant
@@ -37,8 +38,6 @@ log = logging.getLogger("lora_guard.serve_ray")
 ENGINE_DEPLOYMENT = "LoraGuardEngine"
 ROUTERS = ("lora-guard", "ray-default")
 ROUTER_CLASS = "lora_guard.serve_ray.router:AdapterAffinityRouter"
-TGI_GENERATE = frozenset({"/generate", "/generate_stream", "/"})
-OPENAI_GENERATE = frozenset({"/v1/completions", "/v1/chat/completions"})
 ADMIN_WRITES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/adapters/")
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
 # The engine replica's own bookkeeping of the response; the ingress sends its own.
@@ -188,18 +187,15 @@ class Ingress:
             return None
         if not isinstance(parsed, dict):
             return None
-        if path in TGI_GENERATE:
-            parameters = parsed.get("parameters")
-            name = parameters.get("adapter_id") if isinstance(parameters, dict) else None
-        else:
-            name = parsed.get("model")
-        if not isinstance(name, str) or name in ("", "tgi"):
+        name = named_in(path, parsed)
+        if name is None:
             return None
         if self.base_model is None:
             self.base_model = await self.engine.model_id.remote()
-        if name == self.base_model:
+        adapter = adapter_of(name, self.base_model)
+        if adapter is None:
             return None
-        return f"{tenant or 'default'}:{name}"
+        return f"{tenant or 'default'}:{adapter}"
 
     async def _replica_metrics(self) -> dict[str, str]:
         """Each replica's Prometheus text, by its id."""

@@ -15,6 +15,7 @@ from lora_guard.server.errors import APIError
 from lora_guard.server.state import ServerState
 
 OPEN_PATHS = frozenset({"/health", "/info"})  # probes; /metrics needs an admin key
+ROUTERS = (routes_tgi.router, routes_openai.router, routes_tokens.router, routes_admin.router)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -31,10 +32,8 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="lora-guard", version=__version__, lifespan=lifespan)
     app.state.lora_guard = state
     errors.install(app)
-    app.include_router(routes_tgi.router)
-    app.include_router(routes_openai.router)
-    app.include_router(routes_tokens.router)
-    app.include_router(routes_admin.router)
+    for router in ROUTERS:
+        app.include_router(router)
     app.add_middleware(Door, state=state)
     return app
 

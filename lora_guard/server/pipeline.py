@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 
 from lora_guard.engine.outputs import RequestOutput
 from lora_guard.engine.sampling import InvalidParams, SamplingParams
+from lora_guard.naming import adapter_of
 from lora_guard.server.errors import APIError, validation
 from lora_guard.server.state import ServerState, state_of
 from lora_guard.tenancy import header_tenant
@@ -27,7 +28,7 @@ class Ask:
     """A generation request as a route parsed it, in TGI's terms."""
 
     text: str
-    adapter: str | None  # as the client named it; "tgi" and the base model's id mean the base
+    adapter: str | None  # as the client named it (lora_guard.naming: which names mean the base)
     max_new_tokens: int | None
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams' other fields
     truncate: int | None = None
@@ -60,7 +61,7 @@ class Run:
 async def start(request: Request, ask: Ask) -> Run:
     """Hand ``ask`` to the engine, or raise the :class:`APIError` that refuses it."""
     state = state_of(request)
-    adapter_id = _adapter(state, ask.adapter)
+    adapter_id = adapter_of(ask.adapter, state.model_id)
     _authorize(request, adapter_id)
     tenant = _tenant(request)
     prompt = _encode(state, ask.text)
@@ -101,14 +102,6 @@ def _tenant(request: Request) -> str:
     if key is not None:
         return str(key.tenant)
     return header_tenant(request.headers) or "default"
-
-
-def _adapter(state: ServerState, name: str | None) -> str | None:
-    """The adapter id a request names, None for the base model. Whether it is a valid id and
-    exists is the engine's to say."""
-    if name is None or name in ("", "tgi", state.model_id):
-        return None
-    return name
 
 
 def _authorize(request: Request, adapter_id: str | None) -> None:

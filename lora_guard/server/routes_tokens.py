@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from lora_guard.engine.tokens import encode_text
+from lora_guard.naming import adapter_of
 from lora_guard.server.errors import not_found, validation
 from lora_guard.server.protocol import (
     ChatTokenizeRequest,
@@ -78,6 +79,7 @@ def _encode(state: ServerState, text: str, special: bool = False) -> list[int]:
 
 def _check_model(state: ServerState, model: str | None) -> None:
     """vLLM's bodies may name the model: the base, or an adapter the server has."""
-    if model in (None, "", "tgi", state.model_id) or state.llm.knows_adapter(model):
+    adapter = adapter_of(model, state.model_id)
+    if adapter is None or state.llm.knows_adapter(adapter):
         return
     raise not_found(f"The model `{model}` does not exist.")

@@ -6,7 +6,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from lora_guard.server import routes_admin, routes_openai, routes_tgi, routes_tokens
+from lora_guard.naming import OPENAI_GENERATE, TGI_GENERATE
+from lora_guard.server import routes_openai, routes_tgi
+from lora_guard.server.app import ROUTERS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 
@@ -14,8 +16,8 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 def served() -> set[tuple[str, str]]:
     return {
         (method, re.sub(r"\{\w+\}", "{id}", route.path))
-        for module in (routes_tgi, routes_openai, routes_tokens, routes_admin)
-        for route in module.router.routes
+        for router in ROUTERS
+        for route in router.routes
         for method in route.methods  # type: ignore[attr-defined]
     }
 
@@ -39,3 +41,14 @@ def documented() -> set[tuple[str, str]]:
 
 def test_every_route_is_documented_and_every_documented_route_is_served() -> None:
     assert served() == documented()
+
+
+def test_the_routes_that_name_an_adapter_are_the_generation_routes() -> None:
+    """The Ray ingress routes by the adapter these routes name (``lora_guard.naming``)."""
+    generation = {
+        route.path  # type: ignore[attr-defined]
+        for router in (routes_tgi.router, routes_openai.router)
+        for route in router.routes
+        if "POST" in route.methods  # type: ignore[attr-defined]
+    }
+    assert generation == TGI_GENERATE | OPENAI_GENERATE
