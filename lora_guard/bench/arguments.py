@@ -65,11 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scenario",
         choices=SCENARIOS,
         default=spec.scenario,
-        help="zipf (skewed popularity), uniform (every adapter alike), burst (halfway, a new "
-        "tenant brings 12 unused adapters at once), tenant-storm (tenant t0 floods the middle "
-        "third with 8x the others' traffic), public (arrivals, lengths and the order of adapter "
-        "use from public traces, docs/workloads.md; --adapters 229 for one per LoRA), seed "
-        "(zipf in the article's setting: virtual time's --scenario seed prints its table)",
+        help="; ".join(f"{s.name}: {s.about}" for s in SCENARIOS.values())
+        + " (the bench takes the adapters and tenants its flags give: --adapters 200 --tenants 8 "
+        "for pressure's, --adapters 229 --tenants 8 for public's; virtual time's --scenario seed "
+        "prints the article's table)",
     )
     add(
         "--system-prompt-words",

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, replace
 
 from lora_guard.bench.replay import EngineOptions
+from lora_guard.workload.scenarios import scenario
 from lora_guard.workload.trace import WorkloadSpec, make_trace
 
 CAPACITY_BATCH = 16  # requests run at once to measure the capacity
@@ -27,9 +28,13 @@ class Capacity:
 
 def capacity_prompts(spec: WorkloadSpec, adapter_ids: list[str]) -> list[tuple[str, int]]:
     """``CAPACITY_BATCH`` (prompt, max_new_tokens) pairs drawn as the trace draws them (the
-    first of a ``public`` trace: its lengths are its own; any other scenario's as ``zipf``'s)."""
-    scenario = "public" if spec.scenario == "public" else "zipf"
-    sample = make_trace(replace(spec, requests=CAPACITY_BATCH, scenario=scenario), adapter_ids)
+    first of a scenario with a generator of its own, such as ``public``: its lengths are its own;
+    a drawn scenario's as ``zipf``'s, the draw before its events)."""
+    own = scenario(spec.scenario).generate is not None
+    sample = make_trace(
+        replace(spec, requests=CAPACITY_BATCH, scenario=spec.scenario if own else "zipf"),
+        adapter_ids,
+    )
     return [(r.prompt, r.max_new_tokens) for r in sample]
 
 

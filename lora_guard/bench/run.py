@@ -48,6 +48,7 @@ from lora_guard.bench.report import aggregate, markdown_table, summarize
 from lora_guard.bench.target import replay_target
 from lora_guard.bench.vllm_peer import peer_python, replay_vllm
 from lora_guard.config import engine_names
+from lora_guard.workload.scenarios import scenario
 from lora_guard.workload.stats import median
 from lora_guard.workload.trace import (
     TraceError,
@@ -344,10 +345,9 @@ def _trace(
     args: argparse.Namespace, spec: WorkloadSpec, ids: list[str], seed: int | None
 ) -> list[TraceRequest]:
     trace = read_trace(args.trace) if args.trace else make_trace(spec, ids)
-    if not args.trace and spec.scenario == "public":
-        from lora_guard.workload.public import plan
-
-        print(f"public workload: {plan(spec).describe()}", file=sys.stderr, flush=True)
+    describe = None if args.trace else scenario(spec.scenario).describe
+    if describe is not None:
+        print(f"{spec.scenario} workload: {describe(spec)}", file=sys.stderr, flush=True)
     missing = sorted({r.adapter_id for r in trace if r.adapter_id} - set(ids))
     if missing:
         raise TraceError(f"the trace names adapters that are not served: {', '.join(missing)}")

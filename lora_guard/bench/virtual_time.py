@@ -41,6 +41,7 @@ from lora_guard.cost_profiles import PROFILES, Profile, profile, profiles_help
 from lora_guard.plugins import hookimpl
 from lora_guard.simulate_costs import MIB, Costs, read_costs
 from lora_guard.workload.bounds import compulsory_hit_bound
+from lora_guard.workload.scenarios import scenario
 from lora_guard.workload.spec import PROMPT_WORDS
 from lora_guard.workload.stats import percentile
 from lora_guard.workload.trace import (
@@ -49,8 +50,6 @@ from lora_guard.workload.trace import (
     TraceRequest,
     WorkloadSpec,
     make_trace,
-    pressure_spec,
-    public_spec,
     read_trace,
 )
 
@@ -83,7 +82,6 @@ SEED_FIGURES: dict[str, dict[str, Any]] = {
         ("lru", 0.84, 46, 40, "cost and stability balanced"),
     )
 }
-SEED_OUTPUT_MEAN = 180.0
 IDLE_S = 100.0  # virtual seconds between the warm-up and the replay: the warm-up's heat is gone
 PRESSURE_RANKS = (8, 16, 32, 64)  # with targets alternating: 21x in bytes from least to most
 PRESSURE_FACTOR = 3.0  # adapters in use over a minute / the room beside the KV the load needs
@@ -559,7 +557,8 @@ def study(
         trace = make_trace(replace(spec, rate=rate), bench.adapter_ids)
     results: dict[str, Result] = {}
     pressure = None
-    if cache_memory is None and spec.scenario in ("pressure", "public"):
+    chosen = scenario(spec.scenario)
+    if cache_memory is None and chosen.sized_pool:
         _, kv_bytes = run_scheme(bench, "lru", trace, 64 * MIB)
         windows = window_bytes(trace, bench.adapter_bytes)
         pressure = Pressure(
@@ -575,8 +574,8 @@ def study(
         if scheme not in results:
             results[scheme] = _run(bench, scheme, trace, pool)
     calm = []
-    if spec.scenario == "tenant-storm" and rate is not None:
-        quiet = make_trace(replace(spec, rate=rate, scenario="zipf"), bench.adapter_ids)
+    if chosen.calm is not None and rate is not None:
+        quiet = make_trace(replace(spec, rate=rate, scenario=chosen.calm), bench.adapter_ids)
         calm = [_run(bench, s, quiet, pool) for s in schemes]
     return SeedRun(spec.seed, rate, [results[s] for s in schemes], pressure, calm)
 
@@ -728,10 +727,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--scenario",
         choices=SCENARIOS,
         default="zipf",
-        help="pressure: 200 adapters of mixed ranks, 8 tenants, drifting Zipf popularity; public: "
-        "arrivals and lengths from Azure's LLM inference trace, the order of 229 LoRAs from "
-        "Alibaba's, 8 tenants from ServeGen's clients (docs/workloads.md); both 1000 requests "
-        "and a pool sized by the load (default: zipf)",
+        help="; ".join(f"{s.name}: {s.about}" for s in SCENARIOS.values())
+        + "; pressure and public run 1000 requests in a pool sized by the load (default: zipf)",
     )
     add(
         "--trace",
@@ -792,6 +789,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             runs = [work(s) for s in specs]
     out = report(runs, schemes)
+    describe = None if args.trace else scenario(spec.scenario).describe
+    if describe is not None and runs[0].rate is not None:
+        print(f"{spec.scenario} workload: {describe(replace(spec, rate=runs[0].rate))}")
     out = {
         "scenario": "trace" if args.trace else spec.scenario,
         "seeds": None if args.trace else seeds,
@@ -914,17 +914,11 @@ def _spec(args: argparse.Namespace) -> WorkloadSpec:
         )
         if v is not None
     }
-    output = args.output_mean or (SEED_OUTPUT_MEAN if args.scenario == "seed" else 64.0)
-    spec = WorkloadSpec(requests=200, output_mean=output, scenario=args.scenario)
-    if args.scenario == "pressure":
-        return pressure_spec(spec, **{"requests": 1000, **given})
-    if args.scenario == "public":
-        from lora_guard.workload.public import output_scale, scales_line
-
-        spec = public_spec(spec, **{"requests": 1000, **given})
-        print(f"public workload: {scales_line(output_scale(spec))}")
-        return spec
-    return replace(spec, **given)
+    chosen = scenario(args.scenario)
+    spec = WorkloadSpec(
+        requests=chosen.requests, output_mean=args.output_mean or chosen.output_mean
+    )
+    return chosen.apply(spec, **given)
 
 
 def _make_bench(
@@ -938,12 +932,12 @@ def _make_bench(
     out = tmp / "adapters"
     if args.trace:
         folders = write_adapters(model, out, named_specs(trace_ranks(args.trace)), strength=0.5)
-    elif spec.scenario in ("pressure", "public"):
+    elif scenario(spec.scenario).mixed_adapters:
         folders = make_adapters(
             model, out, n=spec.adapters, ranks=PRESSURE_RANKS, prefix="demo", strength=0.5
         )
     else:
-        ranks = (8, 16, 32) if spec.scenario == "seed" else (4, 8, 16)
+        ranks = scenario(spec.scenario).ranks
         folders = make_adapters(
             model, out, n=spec.adapters, ranks=ranks, prefix="demo", all_projections=True
         )

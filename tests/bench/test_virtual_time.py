@@ -13,8 +13,9 @@ import pytest
 from lora_guard.bench.virtual_time import lora_guard_ratios, main, tiny_model
 from lora_guard.cost_profiles import profile
 from lora_guard.demo.paths import DemoPaths
+from lora_guard.workload.scenarios import SCENARIOS
 from lora_guard.workload.spec import WorkloadSpec
-from lora_guard.workload.trace import TraceError, make_trace, pressure_spec, public_spec
+from lora_guard.workload.trace import TraceError, make_trace
 
 ARGS = [
     "--requests",
@@ -196,7 +197,7 @@ def test_a_prompt_takes_as_many_tokens_as_on_the_demo_model(
     from transformers import AutoTokenizer
 
     spec = WorkloadSpec(requests=200, scenario=scenario)
-    spec = pressure_spec(spec) if scenario == "pressure" else public_spec(spec)
+    spec = SCENARIOS[scenario].apply(spec)
     prompts = [r.prompt for r in make_trace(spec, [f"a{i}" for i in range(spec.adapters)])]
     tiny = AutoTokenizer.from_pretrained(tiny_model(tmp_path / "model", profile("cpu-demo")))
     real = AutoTokenizer.from_pretrained(demo.model_dir)

@@ -17,17 +17,17 @@ from lora_guard.workload.public import (
     load_source,
     public_trace,
 )
+from lora_guard.workload.scenarios import SCENARIOS
 from lora_guard.workload.stats import percentile
 from lora_guard.workload.trace import (
-    PUBLIC,
     TraceError,
     WorkloadSpec,
     make_trace,
-    public_spec,
 )
 
-ADAPTERS = [f"lora-{i:03d}" for i in range(int(PUBLIC["adapters"]))]
-SPEC = public_spec(WorkloadSpec(output_mean=64.0, rate=3.0), requests=400)
+PUBLIC = SCENARIOS["public"]
+ADAPTERS = [f"lora-{i:03d}" for i in range(int(PUBLIC.sets["adapters"]))]
+SPEC = PUBLIC.apply(WorkloadSpec(output_mean=64.0, rate=3.0), requests=400)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_lengths_are_the_azure_lengths_scaled(whole: PublicTrace) -> None:
 
 def test_adapter_popularity_is_the_alibaba_lora_ranking(whole: PublicTrace) -> None:
     source = load_source()
-    assert len(set(source.lora_ranks)) == PUBLIC["adapters"]
+    assert len(set(source.lora_ranks)) == PUBLIC.sets["adapters"]
     within(top_shares([r.adapter_id for r in whole.requests]), top_shares(source.lora_ranks))
     # The most requested LoRA of the trace is the first adapter given.
     assert Counter(r.adapter_id for r in whole.requests).most_common(1)[0][0] == ADAPTERS[0]
@@ -144,9 +144,7 @@ def test_bad_input_is_a_trace_error() -> None:
         make_trace(replace(SPEC, rate=0.0), ADAPTERS)
 
 
-def test_virtual_time_runs_public_with_an_adapter_per_lora(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_virtual_time_runs_public_with_an_adapter_per_lora() -> None:
     from lora_guard.bench.virtual_time import _spec
 
     args = argparse.Namespace(
@@ -154,4 +152,6 @@ def test_virtual_time_runs_public_with_an_adapter_per_lora(
     )
     spec = _spec(args)
     assert (spec.scenario, spec.adapters, spec.tenants, spec.requests) == ("public", 229, 8, 1000)
-    assert "GeneratedTokens x 0.303" in capsys.readouterr().out
+    describe = PUBLIC.describe
+    assert describe is not None  # what virtual time prints: the scales it used
+    assert "GeneratedTokens x 0.303" in describe(replace(spec, rate=1.0))

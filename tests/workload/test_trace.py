@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from lora_guard.workload.scenarios import SCENARIOS
 from lora_guard.workload.stats import percentile
 from lora_guard.workload.trace import (
     TraceError,
     TraceRequest,
     WorkloadSpec,
     make_trace,
-    pressure_spec,
     read_trace,
     write_trace,
 )
@@ -154,7 +154,7 @@ def test_an_unknown_scenario_is_refused() -> None:
 
 
 def test_pressure_brings_200_adapters_8_tenants_and_a_hot_set_that_drifts() -> None:
-    spec = pressure_spec(WorkloadSpec(requests=3000, rate=2.0))
+    spec = SCENARIOS["pressure"].apply(WorkloadSpec(requests=3000, rate=2.0))
     ids = [f"demo-{i:03d}" for i in range(spec.adapters)]
     trace = make_trace(spec, ids)
     assert spec.adapters >= 200 and len({r.tenant for r in trace}) >= 8
