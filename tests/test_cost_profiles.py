@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from lora_guard.bench.virtual_time import Bench, VirtualClock, weight_bytes
+from lora_guard.bench.virtual.replay import VirtualClock
+from lora_guard.bench.virtual.schemes import Bench
+from lora_guard.bench.virtual_time import weight_bytes
 from lora_guard.cost_profiles import PROFILES, profile, profiles_markdown
 from lora_guard.demo.adapters import named_specs, write_adapters
 from lora_guard.demo.testing import make_tiny_llama

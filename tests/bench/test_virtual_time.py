@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lora_guard.bench.virtual_time import lora_guard_ratios, main, tiny_model
+from lora_guard.bench.virtual.study import lora_guard_ratios
+from lora_guard.bench.virtual_time import main, tiny_model
 from lora_guard.cost_profiles import profile
 from lora_guard.demo.paths import DemoPaths
 from lora_guard.workload.scenarios import SCENARIOS
@@ -66,7 +67,7 @@ def test_every_rival_and_lora_guard_stay_under_the_bound_under_pressure(tmp_path
     """A small pressure study: every request of every scheme completes, no KV block or adapter
     page leaks (checked after each replay), and no hit rate passes its bound; with every
     adapter resident beside the same KV room nothing is loaded and every request hits."""
-    from lora_guard.bench.virtual_time import SCHEMES
+    from lora_guard.bench.virtual.schemes import SCHEMES
 
     out = tmp_path / "pressure.json"
     schemes = [s for s in SCHEMES if s != "base"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lora_guard import LLM, SamplingParams
-from lora_guard.bench.virtual_time import VirtualClock
+from lora_guard.bench.virtual.replay import VirtualClock
 from lora_guard.demo.testing import AdapterFactory
 from lora_guard.engine.config import ConfigError
 from lora_guard.engine.cost_meter import Line

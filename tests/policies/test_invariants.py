@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from lora_guard import LLM, SamplingParams
-from lora_guard.bench.virtual_time import VirtualClock
+from lora_guard.bench.virtual.replay import VirtualClock
 from lora_guard.demo.testing import AdapterFactory
 from lora_guard.engine.outputs import RequestOutput
 from lora_guard.plugins import Load, hookimpl
