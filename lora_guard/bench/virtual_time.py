@@ -78,7 +78,7 @@ def trace_ranks(path: Path) -> dict[str, int]:
     return ranks
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m lora_guard.bench.virtual_time",
         description="The bench workload through the real engine and policies on a virtual clock.",
@@ -115,9 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     add("--seeds", default=None, help="comma-separated trace seeds (default: 0)")
     add("--seed", type=int, help="one seed: --seeds N")
-    add("--requests", type=int, help="requests per seed (default 200; pressure: 1000)")
-    add("--adapters", type=int, help="adapters (default 24; pressure: 200)")
-    add("--tenants", type=int, help="tenants (default 6; pressure: 8)")
+    add("--requests", type=int, help="requests per seed (default 200; pressure, public: 1000)")
+    add("--adapters", type=int, help="adapters (default 24; pressure: 200; public: 229)")
+    add("--tenants", type=int, help="tenants (default 6; pressure, public: 8)")
     add("--load", type=float, default=0.7, help="share of the capacity")
     add("--output-mean", type=float, help="mean output tokens (default 64; seed: 180)")
     add(
@@ -129,6 +129,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--costs", type=Path, help="costs JSON (simulate --calibrate), over the profile's")
     add("--json", type=Path, help="write the figures here")
     add("--jobs", type=int, default=1, help="seeds replayed at once, each in its own process")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     default = ",".join(SEED_SCHEMES) if args.scenario == "seed" else "base,lru,lora-guard"
     schemes = [s for s in (args.schemes or default).split(",") if s]
