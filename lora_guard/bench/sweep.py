@@ -42,18 +42,13 @@ from lora_guard.bench.servers import (
     tree_rss,
     wait_ready,
 )
-from lora_guard.bench.systems import System, make_system
+from lora_guard.bench.systems import SYSTEMS, System, make_system
 from lora_guard.bench.vllm_peer import vllm_mode
 from lora_guard.demo.testing import metric_samples
 from lora_guard.workload.stats import percentile
 from lora_guard.workload.trace import TraceRequest, WorkloadSpec, fresh_trace, mean_rate
 
-#: vllm: compute on every core; vllm-reserved: its documented layout, a core kept for its
-#: serving process
-SYSTEMS = ("lora-guard", "peft", "vllm", "vllm-reserved", "llama.cpp")
 KNEE_SHARE = 0.95  # the knee: the fewest clients that reach this share of the best throughput
-# What lora-guard's saturated throughput is held against (issue-stated targets).
-THROUGHPUT_TARGETS = {"vllm": 3.0, "vllm-reserved": 3.0, "peft": 3.0, "llama.cpp": 2.0}
 MACHINE_SHARE_TARGET = 0.5  # lora-guard's saturated FLOPs a second, at least this of the machine's
 LATENCY_TARGET = 0.5  # lora-guard's TTFT p95 at matched load, at most this share of each peer's
 FLAT = 1.05  # a point within this factor of the one before: the throughput is flat
@@ -379,7 +374,8 @@ def _regime(args: argparse.Namespace) -> str:
 
 def sweep_targets(systems: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """lora-guard's saturated throughput against the machine's matrix rate, and its saturated
-    throughput and matched-load TTFT p95 against each peer's."""
+    and one-client throughput and matched-load TTFT p95 against each peer's, by each peer's
+    goals (``systems.SYSTEMS``)."""
     ours = systems.get("lora-guard")
     if ours is None:
         return []
@@ -394,8 +390,9 @@ def sweep_targets(systems: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 "met": share >= MACHINE_SHARE_TARGET,
             }
         )
-    for peer, goal in THROUGHPUT_TARGETS.items():
-        if peer not in systems:
+    for peer, entry in SYSTEMS.items():
+        goal = entry.throughput_goal
+        if goal is None or peer not in systems:
             continue
         theirs = systems[peer]
         ratio = _ratio(ours["saturated"]["tokens_per_s"], theirs["saturated"]["tokens_per_s"])
@@ -407,6 +404,17 @@ def sweep_targets(systems: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 "met": ratio is not None and ratio >= goal,
             }
         )
+        one = entry.one_client_goal
+        ratio = _ratio(_one_client(ours), _one_client(theirs))
+        if one is not None and ratio is not None:
+            found.append(
+                {
+                    "what": f"tok/s at one client vs {peer}",
+                    "goal": f">= {one:g}x",
+                    "value": ratio,
+                    "met": ratio >= one,
+                }
+            )
         if "matched" in ours and "matched" in theirs:
             ratio = _ratio(ours["matched"]["ttft_p95_ms"], theirs["matched"]["ttft_p95_ms"])
             found.append(
@@ -418,6 +426,10 @@ def sweep_targets(systems: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 }
             )
     return found
+
+
+def _one_client(found: dict[str, Any]) -> float | None:
+    return next((p["tokens_per_s"] for p in found.get("points", ()) if p["clients"] == 1), None)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -37,60 +37,60 @@ class System:
     cache_counters: tuple[str, str] | None = None
 
 
-def make_system(
-    name: str,
-    options: EngineOptions,
-    adapters: list[str],
-    port: int,
-    log: Callable[[str], None],
-) -> System:
-    model, adapter_dir = Path(options.model), Path(options.adapter_dir)
-    if name == "lora-guard":
-        command = [
-            sys.executable,
-            "-m",
-            "lora_guard.cli",
-            "serve",
-            "--model",
-            str(model),
-            "--adapter-dir",
-            str(adapter_dir),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--cache-memory",
-            str(options.kv_cache_memory),
-            "--dtype",
-            options.dtype,
-            "--max-num-seqs",
-            str(options.max_num_seqs),
-        ]
-        if options.max_loras:
-            command += ["--max-loras", str(options.max_loras)]
-        counters = ("lora_guard_prefix_cache_hit_tokens_total", "tgi_request_input_length_sum")
-        # "tgi": its base model's alias
-        return System(name, ServerLaunch(command, {}), _by_model("tgi"), counters)
-    if name == "peft":
-        from lora_guard.bench.peft_server import BASE_NAME
+Log = Callable[[str], None]
 
-        command = [
-            sys.executable,
-            "-m",
-            "lora_guard.bench.peft_server",
-            "--model",
-            str(model),
-            "--adapter-dir",
-            str(adapter_dir),
-            "--adapters",
-            ",".join(adapters),
-            "--dtype",
-            options.dtype,
-            "--port",
-            str(port),
-        ]
-        return System(name, ServerLaunch(command, {}), _by_model(BASE_NAME))
-    if name in ("vllm", "vllm-reserved"):
+
+def _lora_guard(options: EngineOptions, adapters: list[str], port: int, log: Log) -> System:
+    command = [
+        sys.executable,
+        "-m",
+        "lora_guard.cli",
+        "serve",
+        "--model",
+        str(options.model),
+        "--adapter-dir",
+        str(options.adapter_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--cache-memory",
+        str(options.kv_cache_memory),
+        "--dtype",
+        options.dtype,
+        "--max-num-seqs",
+        str(options.max_num_seqs),
+    ]
+    if options.max_loras:
+        command += ["--max-loras", str(options.max_loras)]
+    counters = ("lora_guard_prefix_cache_hit_tokens_total", "tgi_request_input_length_sum")
+    # "tgi": its base model's alias
+    return System("lora-guard", ServerLaunch(command, {}), _by_model("tgi"), counters)
+
+
+def _peft(options: EngineOptions, adapters: list[str], port: int, log: Log) -> System:
+    from lora_guard.bench.peft_server import BASE_NAME
+
+    command = [
+        sys.executable,
+        "-m",
+        "lora_guard.bench.peft_server",
+        "--model",
+        str(options.model),
+        "--adapter-dir",
+        str(options.adapter_dir),
+        "--adapters",
+        ",".join(adapters),
+        "--dtype",
+        options.dtype,
+        "--port",
+        str(port),
+    ]
+    return System("peft", ServerLaunch(command, {}), _by_model(BASE_NAME))
+
+
+def _vllm(reserved: bool) -> Callable[[EngineOptions, list[str], int, Log], System]:
+    def make(options: EngineOptions, adapters: list[str], port: int, log: Log) -> System:
         from lora_guard.bench.vllm_peer import (
             ALL_CORES,
             BASE_NAME,
@@ -99,25 +99,66 @@ def make_system(
             vllm_launch,
         )
 
-        layout = RESERVED if name == "vllm-reserved" else ALL_CORES
+        layout = RESERVED if reserved else ALL_CORES
         launch = vllm_launch(peer_python(log=log), options, adapters, port, layout=layout)
         counters = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+        name = "vllm-reserved" if reserved else "vllm"
         return System(name, launch, _by_model(BASE_NAME), counters)
-    if name == "llama.cpp":
-        from lora_guard.bench import llama_cpp_peer as peer
 
-        python = peer.llama_cpp_python(log)
-        base, files = peer.gguf_files(python, model, adapter_dir, adapters, options.dtype, log)
-        launch = peer.llama_cpp_launch(
-            peer.server_binary(python),
-            base,
-            files,
-            port,
-            parallel=options.max_num_seqs,
-            bos=peer.adds_bos(model),
-        )
-        return System(name, launch, _by_lora_list(adapters))
-    raise ValueError(f"unknown system {name!r}")
+    return make
+
+
+def _llama_cpp(options: EngineOptions, adapters: list[str], port: int, log: Log) -> System:
+    from lora_guard.bench import llama_cpp_peer as peer
+
+    model = Path(options.model)
+    python = peer.llama_cpp_python(log)
+    base, files = peer.gguf_files(
+        python, model, Path(options.adapter_dir), adapters, options.dtype, log
+    )
+    launch = peer.llama_cpp_launch(
+        peer.server_binary(python),
+        base,
+        files,
+        port,
+        parallel=options.max_num_seqs,
+        bos=peer.adds_bos(model),
+    )
+    return System("llama.cpp", launch, _by_lora_list(adapters))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A system the sweep can measure: how it is started, and what lora-guard's tokens/s must
+    reach over its own, saturated and at one client (None: not judged)."""
+
+    name: str
+    make: Callable[[EngineOptions, list[str], int, Log], System]
+    throughput_goal: float | None = None
+    one_client_goal: float | None = None
+
+
+#: Every system ``--systems`` names; a new one is a ``make`` function and a line here.
+SYSTEMS: dict[str, Entry] = {
+    e.name: e
+    for e in (
+        Entry("lora-guard", _lora_guard),
+        Entry("peft", _peft, throughput_goal=2.0),
+        Entry("vllm", _vllm(reserved=False), throughput_goal=3.0),
+        Entry("vllm-reserved", _vllm(reserved=True), throughput_goal=3.0),
+        Entry("llama.cpp", _llama_cpp, throughput_goal=1.5, one_client_goal=1.0),
+    )
+}
+
+
+def make_system(
+    name: str, options: EngineOptions, adapters: list[str], port: int, log: Log
+) -> System:
+    try:
+        entry = SYSTEMS[name]
+    except KeyError:
+        raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}") from None
+    return entry.make(options, adapters, port, log)
 
 
 def _by_model(base: str) -> Body:

@@ -92,6 +92,10 @@ def test_a_chunk_count_is_scaled_to_the_servers_token_count() -> None:
     assert reply.tokens_by(1.0) == 2
 
 
+def _at_one(tokens_per_s: float) -> dict[str, float]:
+    return {"clients": 1, "tokens_per_s": tokens_per_s}
+
+
 def test_targets_built_to_miss_print_missed() -> None:
     systems = {
         "lora-guard": {"saturated": {"tokens_per_s": 20.0}, "matched": {"ttft_p95_ms": 80.0}},
@@ -104,6 +108,14 @@ def test_targets_built_to_miss_print_missed() -> None:
     ]
     systems["vllm"] = {"saturated": {"tokens_per_s": 5.0}, "matched": {"ttft_p95_ms": 200.0}}
     assert all(line.endswith(": met") for line in target_lines(sweep_targets(systems)))
+    one_client = {
+        "lora-guard": {"saturated": {"tokens_per_s": 30.0}, "points": [_at_one(5.0)]},
+        "llama.cpp": {"saturated": {"tokens_per_s": 10.0}, "points": [_at_one(10.0)]},
+    }
+    assert target_lines(sweep_targets(one_client)) == [
+        "saturated tok/s vs llama.cpp: 3x (target >= 1.5x): met",
+        "tok/s at one client vs llama.cpp: 0.5x (target >= 1x): missed",
+    ]
     systems["lora-guard"]["saturated"]["machine_share"] = 0.1  # a share, not a ratio: no "x"
     assert target_lines(sweep_targets(systems))[0] == (
         "saturated tok/s x FLOPs a token over the machine's matrix rate: 0.1 (target >= 0.5): "
