@@ -66,7 +66,8 @@ def test_an_unknown_scheme_is_refused(capsys: pytest.CaptureFixture[str]) -> Non
 def test_every_rival_and_lora_guard_stay_under_the_bound_under_pressure(tmp_path: Path) -> None:
     """A small pressure study: every request of every scheme completes, no KV block or adapter
     page leaks (checked after each replay), and no hit rate passes its bound; with every
-    adapter resident beside the same KV room nothing is loaded and every request hits."""
+    adapter resident beside the same KV room nothing is loaded and every request hits; eviction
+    that knows the whole trace loads no more than LRU."""
     from lora_guard.bench.virtual.schemes import SCHEMES
 
     out = tmp_path / "pressure.json"
@@ -104,6 +105,8 @@ def test_every_rival_and_lora_guard_stay_under_the_bound_under_pressure(tmp_path
         else:
             assert row["loads"] > 0, name
             assert row["tail_adapter_wait_share"] > 0, name  # the slowest waited for loads
+    # eviction that knows the trace loads no more than LRU on the same pool and batches
+    assert report["schemes"]["clairvoyant"]["loads"] <= report["schemes"]["lru"]["loads"]
     # where adapters waited for room, what held the pool is said
     waited = [r for r in report["schemes"].values() if r["room_wait_steps"]]
     assert waited

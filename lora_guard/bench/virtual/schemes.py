@@ -25,6 +25,7 @@ SCHEMES: dict[str, str | None] = {
     "base": "lru", "lru": "lru", "fifo": "fifo", "drain": "drain", "time-slice": "time-slice",
     "s3-fifo": "s3-fifo", "w-tinylfu": "w-tinylfu", "as-vllm": "lru", "as-sglang": "drain",
     "lora-guard": None, "all-resident": "lru", "static": "static", "on-demand": "on-demand",
+    "clairvoyant": "lru",
 }  # fmt: skip
 
 #: The designs users run, on the same engine and pool: adapter seats with memory of their own
@@ -36,6 +37,10 @@ SCHEMES: dict[str, str | None] = {
 SEATED = ("as-vllm", "as-sglang")
 
 SEATS = (1, 2, 4, 8, 16)
+
+#: eviction that knows the whole trace, on the same pool (``virtual/clairvoyant.py``): a
+#: reference for what an eviction order could gain, not a rival
+CLAIRVOYANT = "clairvoyant"
 
 #: every adapter the trace names pinned in pages added to the pool, so the KV keeps its room: the
 #: latency no residency policy can beat on that pool (loads and adapter waits cost nothing)
@@ -186,6 +191,11 @@ def run_scheme(
     replay.read_ms.clear()
     replay.write_ms.clear()
     replay.room_waits.clear()
+    if scheme == CLAIRVOYANT:
+        from lora_guard.bench.virtual.clairvoyant import ClairvoyantEviction
+
+        knows = ClairvoyantEviction(engine, trace, llm.tokenizer.encode, clock.now)
+        engine.hooks.pm.register(knows, name="virtual-time-clairvoyant")
     records, rejected = replay.run(trace, adapters)
     engine.check_no_leaks()
     tenants = {r.id: r.tenant for r in trace}

@@ -13,6 +13,7 @@ from lora_guard.bench.capacity import arrival_rate
 from lora_guard.bench.virtual.replay import Result
 from lora_guard.bench.virtual.schemes import (
     ALL_RESIDENT,
+    CLAIRVOYANT,
     SEATED,
     Bench,
     capacity,
@@ -159,9 +160,9 @@ def report(runs: Sequence[SeedRun], schemes: Sequence[str]) -> dict[str, Any]:
         }
     storm = [run for run in runs if run.calm]
     if storm:
-        out["storm"] = {
-            s: statistics.median(_storm_ratio(run, s) for run in storm) for s in schemes
-        }
+        per_seed = {s: [_storm_ratio(run, s) for run in storm] for s in schemes}
+        out["storm"] = {s: statistics.median(v) for s, v in per_seed.items()}
+        out["storm_per_seed"] = per_seed
     for run in runs:
         out["runs"].append(
             {
@@ -180,7 +181,7 @@ def report(runs: Sequence[SeedRun], schemes: Sequence[str]) -> dict[str, Any]:
 
 #: not rivals: the base model (no adapters), the reference that adds memory, one adapter merged
 #: for good (it serves one adapter's load, not the trace), lora-guard itself
-NOT_RIVALS = ("base", ALL_RESIDENT, "static", "lora-guard")
+NOT_RIVALS = ("base", ALL_RESIDENT, CLAIRVOYANT, "static", "lora-guard")
 
 
 def lora_guard_ratios(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -314,7 +315,12 @@ def print_report(out: dict[str, Any], runs: Sequence[SeedRun]) -> None:
     if "storm" in out:
         print(
             "other tenants' TTFT p95, storm / no storm: "
-            + ", ".join(f"{s} {v:.2f}x" for s, v in out["storm"].items())
+            + ", ".join(
+                f"{s} {v:.2f}x (per seed "
+                + ", ".join(f"{x:.2f}" for x in out["storm_per_seed"][s])
+                + ")"
+                for s, v in out["storm"].items()
+            )
         )
     for name, ratio in out.get("lora_guard_over", {}).items():
         if name != "best_rival_by_seed":
