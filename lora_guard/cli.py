@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from lora_guard import __version__
+from lora_guard.clock import timer
 from lora_guard.demo.personas import PERSONAS
 
 
@@ -224,7 +224,7 @@ def _serve_ray(argv: list[str]) -> int:
 def _prepare_demo(args: argparse.Namespace) -> int:
     from lora_guard.demo.model import DemoError, prepare_demo
 
-    started = time.perf_counter()
+    started = timer()
     try:
         paths = prepare_demo(args.home)
     except DemoError as exc:
@@ -232,7 +232,7 @@ def _prepare_demo(args: argparse.Namespace) -> int:
         return 1
     print(f"demo model:    {paths.model_dir}")
     print(f"demo adapters: {paths.adapter_dir}")
-    print(f"ready in {time.perf_counter() - started:.1f} s")
+    print(f"ready in {timer() - started:.1f} s")
     return 0
 
 

@@ -26,9 +26,10 @@ stale.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from lora_guard.clock import monotonic
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +48,7 @@ class AffinityRanker:
         self,
         spread_queue: int = 4,
         reservation_s: float = 10.0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = monotonic,
     ) -> None:
         if spread_queue < 1:
             raise ValueError("spread_queue must be at least 1")

@@ -19,11 +19,12 @@ import os
 import random
 import statistics
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from lora_guard.clock import timer
 
 if TYPE_CHECKING:
     from lora_guard.engine import LLM
@@ -362,7 +363,7 @@ def calibrate_command(
             max_num_seqs=max(BATCHES),
             policies="lru",
         )
-        started, load_before = time.perf_counter(), os.getloadavg()[0]
+        started, load_before = timer(), os.getloadavg()[0]
         calibration = calibrate(llm, ids)
         model_id = llm.engine.model_id
         llm.engine.shutdown()
@@ -378,7 +379,7 @@ def calibrate_command(
     }
     write_costs(calibration, out, about)
     print(calibration.summary())
-    print(f"wrote {out} in {time.perf_counter() - started:.0f} s")
+    print(f"wrote {out} in {timer() - started:.0f} s")
     return 0
 
 

@@ -8,10 +8,10 @@ average, so every scheme is compared at the same utilisation whatever the machin
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 
 from lora_guard.bench.replay import EngineOptions
+from lora_guard.clock import timer
 from lora_guard.workload.scenarios import scenario
 from lora_guard.workload.trace import WorkloadSpec, make_trace
 
@@ -52,9 +52,9 @@ def measure_capacity(prompts: list[tuple[str, int]], options: EngineOptions) -> 
     )
     llm.generate(prompts[0][0], SamplingParams(max_new_tokens=4, ignore_eos=True))
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in prompts]
-    started = time.perf_counter()
+    started = timer()
     outputs = llm.generate([p for p, _ in prompts], params)
-    elapsed = time.perf_counter() - started
+    elapsed = timer() - started
     llm.engine.shutdown()
     failed = [out.error for out in outputs if out.error is not None]
     if failed:

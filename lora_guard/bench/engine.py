@@ -18,22 +18,24 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lora_guard.clock import timer
 from lora_guard.config import add_engine_flags, engine_names
 from lora_guard.engine import LLM, SamplingParams
 from lora_guard.engine.lora.registry import scan_adapter_dir
 
+_RUNS = itertools.count()
 TURNS = 3  # base and mixed runs of each batch, in turn, within one engine
 
 
@@ -75,10 +77,10 @@ def matmul_peak_gflops(dtype: torch.dtype, device: torch.device, n: int = 2048) 
     best = float("inf")
     for _ in range(5):
         _sync(device)
-        started = time.perf_counter()
+        started = timer()
         a @ b
         _sync(device)
-        best = min(best, time.perf_counter() - started)
+        best = min(best, timer() - started)
     return 2 * n**3 / best / 1e9
 
 
@@ -105,24 +107,24 @@ def engine_run(
     the steps before every request decodes) for one batch."""
     engine = llm.engine
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    tag = time.perf_counter_ns()
+    tag = next(_RUNS)  # request ids new to the engine on every run
     for i, (prompt, adapter) in enumerate(zip(prompts, adapters, strict=True)):
         engine.add_request(f"bench-{tag}-{i}", prompt, params, adapter)
     decode_steps: list[float] = []
     prefill = 0.0
-    started = time.perf_counter()
+    started = timer()
     while engine.has_unfinished_requests():
-        step_started = time.perf_counter()
+        step_started = timer()
         computed_before = sum(s.num_computed_tokens for s in engine.scheduler.running)
         engine.step()
         _sync(engine.config.torch_device)
-        elapsed = time.perf_counter() - step_started
+        elapsed = timer() - step_started
         running = engine.scheduler.running
         if running and len(running) == len(prompts) and computed_before > 0:
             decode_steps.append(elapsed)
         elif not decode_steps:
             prefill += elapsed
-    total = time.perf_counter() - started
+    total = timer() - started
     if not decode_steps:
         raise SystemExit(
             f"no step decoded all {len(prompts)} requests at once: "
@@ -141,7 +143,7 @@ def peft_run(
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
 
     def generate(n: int) -> float:
-        started = time.perf_counter()
+        started = timer()
         with torch.no_grad():
             model.generate(
                 input_ids=ids,
@@ -152,7 +154,7 @@ def peft_run(
                 adapter_names=adapters,
                 pad_token_id=pad_id,
             )
-        return time.perf_counter() - started
+        return timer() - started
 
     generate(2)  # warm-up: kernels made for these shapes on first use are not a step's cost
     first = generate(1)

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from lora_guard.clock import monotonic
 from lora_guard.demo import testing
 from lora_guard.workload.trace import TraceRequest
 
@@ -51,7 +52,7 @@ class Reply:
 
 def closed_loop(url: str, trace: list[TraceRequest], clients: int, body: Body) -> list[Reply]:
     """``clients`` clients, each sending the trace's next request as soon as its last one ended."""
-    start = time.monotonic()
+    start = monotonic()
     return testing.closed_loop(
         url, trace, lambda http, r: _send(http, r, body, start), clients, timeout_s=_TIMEOUT_S
     )
@@ -60,11 +61,11 @@ def closed_loop(url: str, trace: list[TraceRequest], clients: int, body: Body) -
 def open_loop(url: str, trace: list[TraceRequest], body: Body) -> list[Reply]:
     """Each request sent at its trace time, whatever is still running."""
     replies: list[Reply] = []
-    start = time.monotonic()
+    start = monotonic()
 
     def sender(request: TraceRequest) -> Callable[[httpx.Client], None]:
         def send(http: httpx.Client) -> None:
-            time.sleep(max(0.0, request.time - (time.monotonic() - start)))
+            time.sleep(max(0.0, request.time - (monotonic() - start)))
             replies.append(_send(http, request, body, start))
 
         return send
@@ -92,7 +93,7 @@ def busy_throughput(replies: list[Reply], clients: int) -> tuple[float, float]:
 
 
 def _send(http: httpx.Client, request: TraceRequest, body: Body, start: float) -> Reply:
-    reply = Reply(request.id, time.monotonic() - start)
+    reply = Reply(request.id, monotonic() - start)
     payload = {
         "prompt": request.prompt,
         "max_tokens": request.max_new_tokens,
@@ -120,7 +121,7 @@ def _send(http: httpx.Client, request: TraceRequest, body: Body, start: float) -
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             reply.error = f"{type(exc).__name__}: {exc}"
         break
-    reply.finish = time.monotonic() - start
+    reply.finish = monotonic() - start
     return reply
 
 
@@ -136,7 +137,7 @@ def _read_stream(answer: httpx.Response, reply: Reply, start: float) -> None:
         if chunk.get("usage"):
             usage = int(chunk["usage"]["completion_tokens"])
         if chunk.get("choices"):
-            now = time.monotonic() - start
+            now = monotonic() - start
             if reply.first_token is None:
                 reply.first_token = now
             reply.chunks.append(now)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from lora_guard.bench.replay import Bind, EngineOptions, RequestRecord, SchemeRun, peak_rss_now
+from lora_guard.clock import monotonic
 from lora_guard.engine.tokens import encode_text
 from lora_guard.workload.trace import TraceRequest
 
@@ -27,7 +28,7 @@ class _FirstToken:
     def put(self, value: torch.Tensor) -> None:
         self.calls += 1
         if self.calls == 2:  # the first call carries the prompt
-            self.first = time.monotonic()
+            self.first = monotonic()
 
     def end(self) -> None:
         pass
@@ -63,9 +64,9 @@ def replay_peft(trace: list[TraceRequest], options: EngineOptions) -> SchemeRun:
     binds: list[Bind] = []
     queue = list(trace)
     peak_kv = 0
-    start = time.monotonic()
+    start = monotonic()
     while queue:
-        now = time.monotonic() - start
+        now = monotonic() - start
         if queue[0].time > now:
             time.sleep(min(queue[0].time - now, 0.05))
             continue
@@ -96,13 +97,13 @@ def replay_peft(trace: list[TraceRequest], options: EngineOptions) -> SchemeRun:
                 streamer=clock,
                 adapter_names=[r.adapter_id or _BASE for r in batch],
             )
-        done = time.monotonic() - start
+        done = monotonic() - start
         first = (clock.first - start) if clock.first is not None else done
         for i, request in enumerate(batch):
             record = records[request.id]
             record.tokens = out[i, width : width + request.max_new_tokens].tolist()
             record.first_token, record.finish = first, done
-    duration = time.monotonic() - start
+    duration = monotonic() - start
     return SchemeRun(
         scheme="peft",
         records=list(records.values()),

@@ -21,7 +21,6 @@ import asyncio
 import json
 import queue
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -31,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+
+from lora_guard.clock import wall
 
 MAX_BATCH = 64
 BASE_NAME = "base"
@@ -262,7 +263,7 @@ async def _tokens(ask: _Ask) -> AsyncIterator[int]:
 
 async def _chunks(ask: _Ask, model: str, worker: PeftWorker) -> AsyncIterator[str]:
     ident = f"cmpl-{uuid.uuid4().hex}"
-    head = {"id": ident, "object": "text_completion", "created": int(time.time()), "model": model}
+    head = {"id": ident, "object": "text_completion", "created": int(wall()), "model": model}
     count = 0
     async for token in _tokens(ask):
         count += 1

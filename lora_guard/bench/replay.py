@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from lora_guard.clock import monotonic
 from lora_guard.engine import LLM, SamplingParams
 from lora_guard.engine.llm_engine import LLMEngine, RequestError
 from lora_guard.engine.lora.registry import scan_adapter_dir
@@ -127,7 +128,7 @@ class BindRecorder:
     adapter became usable, with how long it waited), with their times on ``clock`` (the
     engine's) since ``start``."""
 
-    def __init__(self, start: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, start: float, clock: Callable[[], float] = monotonic) -> None:
         self.start, self.clock = start, clock
         self.lookups: list[tuple[float, bool]] = []
         self.binds: list[Bind] = []
@@ -162,13 +163,13 @@ def replay_scheme(
     before = engine.figures()
     cold_before = _cold_load_counts(engine)
     steps_before = engine.stats.steps
-    start = time.monotonic()
+    start = monotonic()
     recorder = BindRecorder(start)
     engine.hooks.pm.register(recorder, name="bench-lookups")
     memory = MemoryWatch(engine)
     steps: list[StepRecord] = []
     records = _replay(engine, trace, start, memory, steps)
-    duration = time.monotonic() - start
+    duration = monotonic() - start
     engine.check_no_leaks()
     cold_after, after = _cold_load_counts(engine), engine.figures()
     run = SchemeRun(
@@ -221,7 +222,7 @@ def _replay(
     open_requests = len(trace)
     tiebreak = len(trace)
     while open_requests:
-        now = time.monotonic() - start
+        now = monotonic() - start
         while due and due[0][0] <= now:
             _, _, trace_id = heapq.heappop(due)
             request, record = by_id[trace_id], records[trace_id]
@@ -246,7 +247,7 @@ def _replay(
             last = engine.stats.recent_steps[-1]
             if not steps or last.step > steps[-1].step:
                 steps.append(last)
-        now = time.monotonic() - start
+        now = monotonic() - start
         for out in outputs:
             record = records[attempt_of[out.request_id]]
             if out.token_ids and record.first_token is None:

@@ -15,7 +15,6 @@ import json
 import multiprocessing
 import sys
 import tempfile
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -47,6 +46,7 @@ from lora_guard.bench.replay import (
 from lora_guard.bench.report import aggregate, markdown_table, summarize
 from lora_guard.bench.target import replay_target
 from lora_guard.bench.vllm_peer import peer_python, replay_vllm
+from lora_guard.clock import monotonic
 from lora_guard.config import engine_names
 from lora_guard.workload.scenarios import scenario
 from lora_guard.workload.stats import median
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         from lora_guard.bench import sweep
 
         return sweep.run(args, argv)
-    started = time.monotonic()
+    started = monotonic()
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     unknown = [s for s in schemes if s not in SCHEMES]
     if unknown or not schemes:
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             }
             for part, one in zip(bench.parts, per_seed, strict=True)
         ],
-        "duration_s": time.monotonic() - started,
+        "duration_s": monotonic() - started,
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -360,7 +360,7 @@ def _trace(
 
 
 def _progress(started: float, what: str) -> None:
-    print(f"[{time.monotonic() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
+    print(f"[{monotonic() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
 
 
 def _model_and_spec(args: argparse.Namespace, scratch: Path) -> tuple[Path, Path, WorkloadSpec]:

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from lora_guard.bench.peer_env import PeerError
+from lora_guard.clock import monotonic
 from lora_guard.demo.paths import lora_guard_home
 
 _START_TIMEOUT_S = 600
@@ -66,8 +67,8 @@ def start_server(launch: ServerLaunch, log_file: Path) -> subprocess.Popen[bytes
 def wait_ready(server: subprocess.Popen[bytes], url: str, log_file: Path) -> None:
     """Until ``url``'s /health answers 200; raises :class:`PeerError` with the log's tail if the
     server exits first, or after ``_START_TIMEOUT_S``."""
-    deadline = time.monotonic() + _START_TIMEOUT_S
-    while time.monotonic() < deadline:
+    deadline = monotonic() + _START_TIMEOUT_S
+    while monotonic() < deadline:
         if server.poll() is not None:
             tail = "\n".join(log_file.read_text(errors="replace").splitlines()[-15:])
             raise PeerError(f"the server exited with {server.returncode} while starting:\n{tail}")

@@ -19,7 +19,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from itertools import chain
@@ -44,6 +43,7 @@ from lora_guard.bench.servers import (
 )
 from lora_guard.bench.systems import SYSTEMS, System, make_system
 from lora_guard.bench.vllm_peer import vllm_mode
+from lora_guard.clock import monotonic
 from lora_guard.demo.testing import metric_samples
 from lora_guard.workload.stats import percentile
 from lora_guard.workload.trace import TraceRequest, WorkloadSpec, fresh_trace, mean_rate
@@ -182,7 +182,7 @@ def run_system(
                 continue
             speed = ceiling.machine_gflops() if ceiling is not None else machine_speed()
             cached_before = cache_counts(url, system.cache_counters)
-            started = time.monotonic()
+            started = monotonic()
             if clients:
                 replies = closed_loop(url, trace, clients, system.body)
             else:
@@ -205,7 +205,7 @@ def run_system(
                 f"{system.name} {what}: {point.tokens_per_s:.1f} tok/s, TTFT p50 "
                 f"{_ms(point.ttft_p50_ms)} p95 {_ms(point.ttft_p95_ms)}, "
                 f"{point.completed}/{point.requests} done{cache} "
-                f"({time.monotonic() - started:.0f} s; machine {speed:.0f} GFLOP/s)"
+                f"({monotonic() - started:.0f} s; machine {speed:.0f} GFLOP/s)"
             )
             if failed:
                 raise PeerError(f"{system.name}: {len(failed)} requests failed, e.g. {failed[0]}")
@@ -256,10 +256,10 @@ def _gflops(value: float | None) -> str:
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
-    started = time.monotonic()
+    started = monotonic()
 
     def progress(what: str) -> None:
-        print(f"[{time.monotonic() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
+        print(f"[{monotonic() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -349,7 +349,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     report["targets"] = sweep_targets(report["systems"])
-    report["duration_s"] = time.monotonic() - started
+    report["duration_s"] = monotonic() - started
     print(sweep_table(report["systems"]))
     print("\n" + "\n".join(target_lines(report["targets"])))
     if args.json:

@@ -19,6 +19,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from lora_guard.bench.replay import RequestRecord, SchemeRun
+from lora_guard.clock import monotonic
 from lora_guard.workload.trace import TraceRequest
 
 _POLL_S = 1.0
@@ -33,7 +34,7 @@ def replay_target(
     before = _scrape(client)
     records = {r.id: RequestRecord(r.id, r.adapter_id, r.time) for r in trace}
     lookups: list[tuple[float, bool]] = []
-    start = time.monotonic()
+    start = monotonic()
     threads = [
         threading.Thread(target=_send, args=(client, r, records[r.id], start), daemon=True)
         for r in trace
@@ -43,8 +44,8 @@ def replay_target(
     seen = _lookup_counts(before)
     while any(t.is_alive() for t in threads):
         time.sleep(_POLL_S)
-        seen = _record_lookups(_scrape(client), seen, time.monotonic() - start, lookups)
-    duration = time.monotonic() - start
+        seen = _record_lookups(_scrape(client), seen, monotonic() - start, lookups)
+    duration = monotonic() - start
     after = _scrape(client)
     _record_lookups(after, seen, duration, lookups)
     client.close()
@@ -68,7 +69,7 @@ def replay_target(
 
 
 def _send(client: httpx.Client, request: TraceRequest, record: RequestRecord, start: float) -> None:
-    time.sleep(max(0.0, request.time - (time.monotonic() - start)))
+    time.sleep(max(0.0, request.time - (monotonic() - start)))
     parameters: dict[str, Any] = {"max_new_tokens": request.max_new_tokens, "details": True}
     if request.adapter_id is not None:
         parameters["adapter_id"] = request.adapter_id
@@ -90,12 +91,12 @@ def _send(client: httpx.Client, request: TraceRequest, record: RequestRecord, st
                         record.error = str(event["error"])
                         break
                     if record.first_token is None:
-                        record.first_token = time.monotonic() - start
+                        record.first_token = monotonic() - start
                     record.tokens.append(int(event["token"]["id"]))
                 break
     except (httpx.HTTPError, ValueError, KeyError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
-    record.finish = time.monotonic() - start
+    record.finish = monotonic() - start
 
 
 def _events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:

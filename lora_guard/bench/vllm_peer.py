@@ -36,6 +36,7 @@ from lora_guard.bench.servers import (
     tree_rss,
     wait_ready,
 )
+from lora_guard.clock import monotonic
 from lora_guard.workload.trace import TraceRequest
 
 BASE_NAME = "base"
@@ -87,7 +88,7 @@ def replay_vllm(
         prompts = {r.id: encode_text(tokenizer, r.prompt) for r in trace}
         records = {r.id: RequestRecord(r.id, r.adapter_id, r.time) for r in trace}
         client = httpx.Client(base_url=url, timeout=httpx.Timeout(900.0))
-        start = time.monotonic()
+        start = monotonic()
         threads = [
             threading.Thread(
                 target=_send, args=(client, r, prompts[r.id], records[r.id], start), daemon=True
@@ -100,7 +101,7 @@ def replay_vllm(
         while any(t.is_alive() for t in threads):
             time.sleep(0.5)
             peak = max(peak, tree_rss(server.pid))
-        duration = time.monotonic() - start
+        duration = monotonic() - start
         client.close()
     finally:
         stop_server(server)
@@ -321,7 +322,7 @@ def _send(
     record: RequestRecord,
     start: float,
 ) -> None:
-    time.sleep(max(0.0, request.time - (time.monotonic() - start)))
+    time.sleep(max(0.0, request.time - (monotonic() - start)))
     body = {
         "model": request.adapter_id or BASE_NAME,
         "prompt": prompt,
@@ -343,8 +344,8 @@ def _send(
                     chunk = json.loads(line[5:])
                     ids = chunk["choices"][0].get("token_ids") or []
                     if ids and record.first_token is None:
-                        record.first_token = time.monotonic() - start
+                        record.first_token = monotonic() - start
                     record.tokens.extend(int(i) for i in ids)
     except (httpx.HTTPError, ValueError, KeyError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
-    record.finish = time.monotonic() - start
+    record.finish = monotonic() - start

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from lora_guard.clock import monotonic
+
 if TYPE_CHECKING:
     import httpx
 
@@ -165,7 +167,7 @@ def eventually(
 ) -> T:
     """Call ``check`` every ``interval_s`` until it returns something truthy, and return that;
     after ``timeout_s``, raise AssertionError naming ``what`` and the last value or exception."""
-    deadline = time.monotonic() + timeout_s
+    deadline = monotonic() + timeout_s
     while True:
         try:
             value = check()
@@ -174,7 +176,7 @@ def eventually(
             last: object = value
         except Exception as exc:  # tried again until the deadline, then reported
             last = exc
-        if time.monotonic() >= deadline:
+        if monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}: last {last!r}")
         time.sleep(interval_s)
 
@@ -279,8 +281,8 @@ def start_server(
             command, stdout=handle, stderr=subprocess.STDOUT, text=True, env=environment
         )
     server = ServerProcess(f"http://127.0.0.1:{port}", process, log)
-    deadline = time.monotonic() + ready_s
-    while time.monotonic() < deadline:
+    deadline = monotonic() + ready_s
+    while monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}:\n{log.read_text()}")
         try:

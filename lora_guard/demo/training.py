@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 
+from lora_guard.clock import timer
 from lora_guard.demo.adapters import ATTENTION_MODULES
 from lora_guard.demo.manifest import read_manifest
 from lora_guard.demo.personas import Persona, training_questions
@@ -89,18 +89,18 @@ def train_persona(
         raise TrainAdapterError(f"{model_dir} has no chat template")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
-    started = time.perf_counter()
+    started = timer()
     examples = teacher_answers(model, tokenizer, persona, questions, settings.max_new_tokens)
-    teacher_s = time.perf_counter() - started
+    teacher_s = timer() - started
     log(f"{persona.name}: kept {len(examples)} of {len(questions)} answers ({teacher_s:.0f} s)")
     if len(examples) < settings.batch_size:
         raise TrainAdapterError(
             f"only {len(examples)} answers showed the persona; need at least {settings.batch_size}"
         )
 
-    started = time.perf_counter()
+    started = timer()
     peft_model, losses = fit_lora(model, tokenizer, examples, settings, log)
-    train_s = time.perf_counter() - started
+    train_s = timer() - started
     out.mkdir(parents=True, exist_ok=True)
     peft_model.save_pretrained(str(out))
     _to_bfloat16(out / "adapter_model.safetensors")

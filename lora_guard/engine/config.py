@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import re
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
+
+from lora_guard.clock import monotonic
 
 # torch is imported where a device or a dtype is resolved (the engine being made), not here: the
 # command line reads and checks its flags, and the docs' tables are made, without it.
@@ -378,8 +379,8 @@ class EngineConfig:
     static_adapter: str | None = None
     reject_when_busy: bool = True  # False: a policy's "busy" makes a request wait (LLM.generate)
     #: the engine's time in seconds: arrivals, heat windows, the residency quantum and the state
-    #: view's ``now`` read it (durations measured for reports stay on ``time.perf_counter``)
-    clock: Callable[[], float] = time.monotonic
+    #: view's ``now`` read it (durations measured for reports stay on ``timer``)
+    clock: Callable[[], float] = monotonic
 
     def __post_init__(self) -> None:
         for f in user_fields():

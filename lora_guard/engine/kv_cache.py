@@ -16,13 +16,13 @@ moved to another page (``claim``).
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
+from lora_guard.clock import monotonic
 from lora_guard.engine.sequence import CacheScope, Sequence
 
 
@@ -103,7 +103,7 @@ class BlockManager:
     block_size: int
     enable_prefix_caching: bool = True
     stats: CacheStats = field(default_factory=CacheStats)
-    clock: Callable[[], float] = time.monotonic
+    clock: Callable[[], float] = monotonic
     kv_pages: int | None = None  # most pages KV may hold, cached blocks included (None: all)
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from lora_guard.clock import monotonic
 from lora_guard.engine.builder import build_engine as build_engine  # its former home
 from lora_guard.engine.config import describe, user_fields
 from lora_guard.engine.outputs import RequestOutput
@@ -36,7 +37,7 @@ class LLM:
     :param disabled_plugins: plugin names not to load (built-ins and entry points alike).
     :param settings: plugin settings by name (``{"cold_loads_per_minute": 6}``); see
         ``docs/policies.md``.
-    :param clock: the engine's time in seconds (``time.monotonic``): arrivals, the heat window,
+    :param clock: the engine's time in seconds (``monotonic``): arrivals, the heat window,
         the residency quantum and the policies' ``state.now`` read it; a simulation passes its own.
     """
 
@@ -69,7 +70,7 @@ class LLM:
         plugins: SequenceOf[str] = (),
         disabled_plugins: SequenceOf[str] = (),
         settings: dict[str, Any] | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = monotonic,
     ) -> None:
         given = locals()
         config = {f.name: given[f.name] for f in user_fields()}  # the engine's fields, once

@@ -7,11 +7,11 @@ thread-safe: one thread drives it (``LLM`` directly, ``AsyncEngine`` from its lo
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import torch
 
+from lora_guard.clock import timer, wall
 from lora_guard.engine.config import EngineConfig
 from lora_guard.engine.errors import RequestError as RequestError  # re-exported
 from lora_guard.engine.outputs import EngineStats, RequestOutput, StepLog, StepRecord
@@ -103,14 +103,14 @@ class LLMEngine(EngineQueries):
 
     # the step
     def step(self) -> list[RequestOutput]:
-        started, loads = time.perf_counter(), self.adapters.stats.loads
+        started, loads = timer(), self.adapters.stats.loads
         try:
             plan = self.scheduler.schedule()
             outputs = [self._fail(f.seq, f.reason, f.retry_after) for f in plan.failed]
             self.stats.preemptions += len(plan.preempted)
             if not plan.scheduled:
                 if plan.failed:
-                    self._step_finished(0, time.perf_counter() - started)
+                    self._step_finished(0, timer() - started)
                 return outputs
             try:
                 result = self.runner.run(plan)
@@ -118,7 +118,7 @@ class LLMEngine(EngineQueries):
                 # A failed forward or sampler fails the requests in its step, never the engine.
                 log.exception("step failed; failing its %d requests", len(plan.scheduled))
                 outputs += [self._fail(s.seq, f"generation failed: {exc}") for s in plan.scheduled]
-                self._step_finished(0, time.perf_counter() - started)  # observers see blocks freed
+                self._step_finished(0, timer() - started)  # observers see blocks freed
                 return outputs
             return outputs + self._postprocess(plan, result, started, loads)
         finally:
@@ -139,13 +139,13 @@ class LLMEngine(EngineQueries):
             outputs.append(self._after_token(seq, token))
         self.stats.steps += 1
         self.stats.prompt_tokens += plan.num_tokens - len(result.sampled)
-        self._step_finished(plan.num_tokens, time.perf_counter() - started)
-        seconds, adapters = time.perf_counter() - started, plan.adapter_bytes()
+        self._step_finished(plan.num_tokens, timer() - started)
+        seconds, adapters = timer() - started, plan.adapter_bytes()
         if not self.adapters.costs.external:
             self.adapters.costs.step(prefill, seconds * 1000)
         batch = (len(plan.scheduled), len(adapters), sum(adapters), prefill)
         loads = self.adapters.stats.loads - loads
-        record = StepRecord(self.stats.steps, time.time(), seconds, *batch, loads)
+        record = StepRecord(self.stats.steps, wall(), seconds, *batch, loads)
         self.stats.recent_steps.append(record)
         self.step_log.write(record)
         return outputs

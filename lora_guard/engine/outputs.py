@@ -58,7 +58,7 @@ class StepRecord:
     ``lora-guard simulate``'s step cost can be fitted (``simulate_costs.fit_steps``)."""
 
     step: int  # the engine's step count after it
-    finished_at: float  # wall-clock time.time() at its end
+    finished_at: float  # seconds since the epoch at its end (``clock.wall``)
     seconds: float  # wall time, from scheduling to the observers told of it
     seqs: int
     adapters: int  # distinct adapters in the batch

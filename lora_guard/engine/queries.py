@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lora_guard.clock import timer
 from lora_guard.engine.config import EngineConfig
 from lora_guard.engine.cost_meter import CostMeter
 from lora_guard.engine.errors import UnknownAdapterError
@@ -202,16 +203,16 @@ class EngineQueries:
         resident = residency.current(adapter_id)
         if entry is None or resident is None:
             raise ValueError(f"adapter {adapter_id!r} is not resident")
-        started = time.perf_counter()
+        started = timer()
         adapter = self.read_adapter(adapter_id, entry.path, entry.root)
-        read_ms = (time.perf_counter() - started) * 1000
+        read_ms = (timer() - started) * 1000
         assert resident.content_hash == adapter.content_hash
-        started = time.perf_counter()
+        started = timer()
         residency.evict(resident)
         placed = residency.acquire(
             Need(adapter_id, None, ready=False), None, self.scheduler.running
         )
-        write_ms = (time.perf_counter() - started) * 1000
+        write_ms = (timer() - started) * 1000
         assert placed is not None
         return ReloadTiming(read_ms, write_ms, placed.layout.nbytes / MIB)
 

@@ -15,12 +15,12 @@ under other weights (``lora_guard_cache_reuse``).
 
 from __future__ import annotations
 
-import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from lora_guard.clock import monotonic
 from lora_guard.engine.kv_cache import Block, BlockManager
 from lora_guard.engine.lora.checkpoint import AdapterError
 from lora_guard.engine.lora.residency import Resident
@@ -83,7 +83,7 @@ class Scheduler:
         max_num_seqs: int,
         reject_when_busy: bool = True,
         page_bytes: int = 0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = monotonic,
     ) -> None:
         self.blocks, self.adapters, self.hooks, self.model_id = blocks, adapters, hooks, model_id
         self.reject_when_busy, self.page_bytes, self.clock = reject_when_busy, page_bytes, clock

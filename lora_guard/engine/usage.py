@@ -9,11 +9,11 @@ counts and the metrics' ratios are all made of it.
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter, deque
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
+from lora_guard.clock import monotonic
 from lora_guard.plugins.state import LOAD_WINDOW_S as WINDOW_S  # the heat's: ``heat_window_s``
 
 K = TypeVar("K", bound=Hashable)
@@ -25,7 +25,7 @@ class SlidingWindow(Generic[K]):
     Events are added in time order. Thread-safe: the engine thread adds, a scrape thread may read.
     """
 
-    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, window_s: float, clock: Callable[[], float] = monotonic) -> None:
         self.window_s = window_s
         self._clock = clock
         self._events: deque[tuple[float, K]] = deque()
@@ -76,7 +76,7 @@ class AdapterUsage:
         self,
         max_loras: int,
         heat_window_s: float = WINDOW_S,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = monotonic,
     ) -> None:
         self.max_loras = max_loras  # 0: no seat cap
         self.pinned: tuple[str, ...] = ()  # in the order pinned

@@ -23,7 +23,7 @@ class RequestView:
     waited_steps: int
     cache_salt: str | None = None
     max_new_tokens: int = 0
-    # the engine's clock (``EngineConfig.clock``, ``time.monotonic`` unless given) at its arrival,
+    # the engine's clock (``EngineConfig.clock``, ``clock.monotonic`` unless given) at its arrival,
     # first token and end; None before
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -4,7 +4,6 @@ adapter; ``"tgi"`` or the base model id mean the base model."""
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from lora_guard.clock import wall
 from lora_guard.engine.outputs import RequestOutput
 from lora_guard.server.errors import validation
 from lora_guard.server.pipeline import Ask, Run, sse, start
@@ -92,7 +92,7 @@ class _Reply:
 
     id: str
     model: str
-    created: int = field(default_factory=lambda: int(time.time()))
+    created: int = field(default_factory=lambda: int(wall()))
 
     def body(self, kind: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
@@ -228,7 +228,7 @@ async def _text_deltas(run: Run) -> AsyncIterator[tuple[str, RequestOutput]]:
 @router.get("/models")
 async def models(request: Request) -> dict[str, Any]:
     state = state_of(request)
-    created = int(time.time())
+    created = int(wall())
     data = [{"id": state.model_id, "object": "model", "created": created, "owned_by": "lora-guard"}]
     for adapter_id in state.llm.adapter_ids():
         data.append(

@@ -21,10 +21,10 @@ import asyncio
 import json
 import math
 import os
-import time
 from pathlib import Path
 from typing import Any
 
+from lora_guard.clock import wall
 from lora_guard.plugins.manager import Hooks
 from lora_guard.policies.cold_budget import ColdLoadBudget
 from lora_guard.vllm import channel
@@ -76,12 +76,12 @@ class Door:
 
     # completions
     async def _fresh_metrics(self) -> None:
-        asked = time.time()
+        asked = wall()
         channel.replace_file(self.folder / channel.WANTED_FILE, b"")
         if not self.seats.json().get("busy"):
             return
         deadline = asked + FRESH_METRICS_S
-        while channel.mtime(self.metrics.path) < asked and time.time() < deadline:
+        while channel.mtime(self.metrics.path) < asked and wall() < deadline:
             await asyncio.sleep(0.01)
 
     async def _completion(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -98,7 +98,7 @@ class Door:
         headers = header_map(scope)
         tenant = tenant_of(headers)
         adapter = self._adapter(scope, payload.get("model"))
-        wait = self.wait(adapter, time.time()) if adapter is not None else None
+        wait = self.wait(adapter, wall()) if adapter is not None else None
         if wait is not None:
             reason = (
                 f"adapter {adapter!r} is not resident and the cold-load budget is spent: "
@@ -107,7 +107,7 @@ class Door:
             channel.append_line(
                 self.folder / channel.REJECTS_FILE,
                 {
-                    "time": time.time(),
+                    "time": wall(),
                     "request_id": headers.get("x-request-id", ""),
                     "adapter_id": adapter,
                     "tenant_id": tenant,

@@ -16,7 +16,6 @@ when no running request uses it, which hot-set's drain gives an aged request (do
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from lora_guard.clock import wall
 from lora_guard.engine.lora.checkpoint import config_rank
 from lora_guard.engine.usage import AdapterUsage
 from lora_guard.metrics import MetricsPlugin
@@ -124,7 +124,7 @@ class SchedulerGuard:
         block_size: int,
         hooks: Hooks | None = None,
         folder: Path | None = None,
-        clock: Any = time.time,  # vLLM's arrival times are Unix seconds
+        clock: Any = wall,  # vLLM's arrival times are Unix seconds
     ) -> None:
         self.max_loras = max_loras
         if hooks is None:
@@ -468,7 +468,7 @@ class SchedulerGuard:
         wanted = channel.mtime(self.folder / channel.WANTED_FILE) >= self.rendered_at
         if isinstance(self.metrics, MetricsPlugin) and (wanted or (self.was_busy and not busy)):
             channel.replace_file(self.folder / channel.METRICS_FILE, own_metrics(self.metrics))
-            self.rendered_at = time.time()
+            self.rendered_at = wall()
         del record["time"]
         self.last_seats, self.last_published, self.was_busy = record, now, bool(busy)
 

@@ -16,10 +16,10 @@ import functools
 import inspect
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
+from lora_guard.clock import timer
 from lora_guard.vllm import channel
 
 LOADS_FILE = "loads.jsonl"
@@ -108,11 +108,11 @@ def _bringing(add_adapter: Any) -> Any:
 def _timed(method: Any, transition: str) -> Any:
     @functools.wraps(method)
     def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
+        started = timer()
         result = method(self, *args, **kwargs)
         path, adapter = getattr(_current, "path", None), getattr(_current, "adapter", None)
         if path is not None and adapter is not None and result is not False:
-            seconds = time.perf_counter() - started
+            seconds = timer() - started
             record = {"adapter": adapter, "transition": transition, "seconds": seconds}
             channel.append_line(path, record)
         return result

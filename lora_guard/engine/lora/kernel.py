@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from pathlib import Path
 
 import torch
+
+from lora_guard.clock import timer, wall
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def _clear_stale_lock(build: Path) -> None:
     built leaves it, and torch's builder then waits for it forever in every later process."""
     lock = build / "lock"
     try:
-        age = time.time() - lock.stat().st_mtime
+        age = wall() - lock.stat().st_mtime
     except FileNotFoundError:
         return
     if age > STALE_LOCK_S:
@@ -86,9 +87,9 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, pool: torch.Tensor, plan: torch
 
 def main() -> int:
     """Build the kernel ahead (the bootstrap does); 1 when it cannot be built here."""
-    started = time.perf_counter()
+    started = timer()
     if not load():
         print(f"lora-guard: LoRA kernel not built: {error()}", file=sys.stderr)
         return 1
-    print(f"lora-guard: LoRA kernel ready ({time.perf_counter() - started:.1f} s)")
+    print(f"lora-guard: LoRA kernel ready ({timer() - started:.1f} s)")
     return 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from lora_guard.clock import timer
 from lora_guard.engine.lora.checkpoint import AdapterError, LoRAAdapter, read_adapter
 from lora_guard.engine.spec import ModelSpec
 from lora_guard.engine.threads import serial_thread
@@ -57,11 +57,11 @@ class AdapterLoader:
                 self.modelled.submitted(adapter_id)
 
     def _read(self, adapter_id: str, path: Path, root: Path | None) -> LoRAAdapter:
-        started = time.perf_counter()
+        started = timer()
         try:
             return read_adapter(adapter_id, path, self.spec, self.max_rank, root, self.dtype)
         finally:
-            self.read_ms[adapter_id] = (time.perf_counter() - started) * 1000
+            self.read_ms[adapter_id] = (timer() - started) * 1000
 
     def collect(self) -> list[tuple[str, LoRAAdapter | AdapterError]]:
         """Finished loads since the last call: an adapter, or the error that stopped it."""

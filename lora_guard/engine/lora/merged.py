@@ -6,10 +6,10 @@ switch a step. ``static`` merges its adapter once, for good, before serving star
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 
+from lora_guard.clock import monotonic, timer
 from lora_guard.engine.kv_cache import BlockManager
 from lora_guard.engine.lora.checkpoint import LoRAAdapter
 from lora_guard.engine.lora.loader import AdapterLoader, HostCache
@@ -31,7 +31,7 @@ class MergedResidency(Residency):
         max_loras: int,
         merge: Callable[[LoRAAdapter | None], None],
         events: Hooks | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = monotonic,
     ) -> None:
         super().__init__(blocks, host, loader, registry, max_loras, events, clock)
         self.merge = merge
@@ -96,7 +96,7 @@ class MergedResidency(Residency):
         return True
 
     def _switch(self, adapter: LoRAAdapter | None, *, evicts: bool) -> None:
-        started = time.perf_counter()
+        started = timer()
         if self.merged is not None:
             self._evicted(self.merged.adapter_id, -1)
         self.merge(adapter)

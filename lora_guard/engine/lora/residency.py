@@ -17,7 +17,6 @@ mode, the baselines' one adapter merged into the base weights at a time, is ``me
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lora_guard.clock import monotonic, timer
 from lora_guard.engine.kv_cache import BlockManager
 from lora_guard.engine.lora.checkpoint import AdapterError, LoRAAdapter
 from lora_guard.engine.lora.compute import kernel_plan
@@ -88,7 +88,7 @@ class ResidencyManager(Residency):
         max_loras: int,
         quantum_s: float = 1.0,
         events: Hooks | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = monotonic,
     ) -> None:
         super().__init__(blocks, host, loader, registry, max_loras, events, clock)
         self.pool, self.quantum_s = pool, quantum_s
@@ -335,7 +335,7 @@ class ResidencyManager(Residency):
         read_ms = self._read_ms.get(adapter_id)  # read from disk for this load
         if read_ms is not None and not self.costs.external:
             self.costs.read(layout.num_pages, read_ms)
-        started = time.perf_counter()
+        started = timer()
         for victim in victims:
             self.evict(victim)
         self._free_pages(layout.num_pages, "adapter")
@@ -345,7 +345,7 @@ class ResidencyManager(Residency):
         self.top += layout.num_pages
         self.pool.write(adapter, layout, first)
         if not self.costs.external:
-            self.costs.write(layout.num_pages, (time.perf_counter() - started) * 1000)
+            self.costs.write(layout.num_pages, (timer() - started) * 1000)
         entry = Resident(
             adapter_id,
             adapter.content_hash,

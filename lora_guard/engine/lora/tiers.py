@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import enum
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lora_guard.clock import monotonic, timer
 from lora_guard.engine.cost_meter import CostMeter
 from lora_guard.engine.kv_cache import BlockManager
 from lora_guard.engine.lora.checkpoint import AdapterError, LoRAAdapter, files_stamp
@@ -83,7 +83,7 @@ class Residency:
         registry: AdapterRegistry,
         max_loras: int,
         events: Hooks | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = monotonic,
     ) -> None:
         self.blocks, self.host, self.loader = blocks, host, loader
         self.registry, self.events, self.clock = registry, events, clock
@@ -96,7 +96,7 @@ class Residency:
         # running requests per version, (adapter id, content hash); (None, None): base weights
         self.bound: Counter[tuple[str | None, str | None]] = Counter()
         self.short_of_pages = False  # a load waits for pages that KV in use holds
-        self._load_started: dict[str, float] = {}  # disk reads under way: perf_counter at start
+        self._load_started: dict[str, float] = {}  # disk reads under way: the stopwatch at start
         self._read_ms: dict[str, float] = {}  # read from disk, not yet resident: the read's ms
         self._stamps: dict[str, tuple[int, ...] | None] = {}  # files as last read (files_stamp)
 
@@ -254,7 +254,7 @@ class Residency:
 
     # disk
     def _read_from_disk(self, adapter_id: str) -> None:
-        self._load_started[adapter_id] = time.perf_counter()
+        self._load_started[adapter_id] = timer()
         self.usage.disk_reads.add(adapter_id)
         entry = self._registration(adapter_id)
         assert entry is not None
@@ -293,7 +293,7 @@ class Residency:
     def _loaded(self, adapter_id: str, seat: int, started: float) -> None:
         read_ms = self._read_ms.pop(adapter_id, None)
         tier = Lookup.COLD if read_ms is not None else Lookup.WARM
-        swap_ms = (read_ms or 0.0) + (time.perf_counter() - started) * 1000
+        swap_ms = (read_ms or 0.0) + (timer() - started) * 1000
         self.stats.loads += 1
         self.stats.swap_ms.append(swap_ms)
         if self.events is not None:
