@@ -21,11 +21,12 @@ def direct_readings(path: Path) -> list[str]:
             and isinstance(node.value, ast.Name)
             and node.value.id == "time"
             and node.attr in READINGS
+        ) or (
+            isinstance(node, ast.ImportFrom)
+            and node.module == "time"
+            and any(alias.name in READINGS for alias in node.names)
         ):
             found.append(f"{path}:{node.lineno}")
-        elif isinstance(node, ast.ImportFrom) and node.module == "time":
-            if any(alias.name in READINGS for alias in node.names):
-                found.append(f"{path}:{node.lineno}")
     return found
 
 

@@ -249,19 +249,20 @@ def test_a_hot_adapter_spreads_at_the_routers_spread_queue() -> None:
 def seen_changes(tick_s: float, changed_at: list[float]) -> list[float]:
     """When the router saw replica r0 change: its pool gains and loses an adapter at each time
     of ``changed_at`` (alternately), reported every 0.5 s."""
-    from lora_guard.simulate import Replica, _Events, _Fleet, _Reports, _Seat
+    from lora_guard.simulate.fleet import Events, Fleet, Replica, Seat
+    from lora_guard.simulate.run import Reports
 
-    events = _Events()
-    fleet = _Fleet([Replica(f"r{i}", 2, 4, FLAT, 1.0) for i in range(2)], events)
+    events = Events()
+    fleet = Fleet([Replica(f"r{i}", 2, 4, FLAT, 1.0) for i in range(2)], events)
     clock = [0.0]
-    reports = _Reports(fleet, events, 0.5, tick_s, random.Random(3), lambda: clock[0] < 6.0)
+    reports = Reports(fleet, events, 0.5, tick_s, random.Random(3), lambda: clock[0] < 6.0)
     r0 = fleet.replicas[0]
 
     def flip(now: float) -> None:
         if "a" in r0.resident:
             del r0.resident["a"]
         else:
-            r0.resident["a"] = _Seat(now, now)
+            r0.resident["a"] = Seat(now, now)
 
     for at in changed_at:
         events.at(at, flip)

@@ -13,7 +13,7 @@ from lora_guard.engine.lora.loader import HostCache
 from lora_guard.engine.lora.registry import AdapterRegistry
 from lora_guard.engine.lora.residency import ResidencyManager, Resident
 from lora_guard.plugins.eviction import ResidentView, eviction_order, kv_order, may_leave
-from lora_guard.simulate import Replica, _Events, _Fleet, _Seat
+from lora_guard.simulate.fleet import Events, Fleet, Replica, Seat
 from lora_guard.simulate_costs import Costs
 
 QUANTUM_S = 1.0
@@ -62,12 +62,12 @@ def simulator_victim(entries: list[tuple[float, float, int]]) -> str | None:
     """The adapter the simulator's replica would evict for a seat, every seat taken."""
     replica = Replica("r", len(entries), 8, Costs(), QUANTUM_S)
     replica.resident = OrderedDict(
-        (f"a{i}", _Seat(NOW - loaded_ago, NOW - min(used_ago, loaded_ago)))
+        (f"a{i}", Seat(NOW - loaded_ago, NOW - min(used_ago, loaded_ago)))
         for i, (loaded_ago, used_ago, _) in enumerate(entries)
     )
     demand = {f"a{i}" for i, (_, _, needed) in enumerate(entries) if needed}
     before = set(replica.resident)
-    if not _Fleet([replica], _Events())._evict(replica, demand, NOW):
+    if not Fleet([replica], Events())._evict(replica, demand, NOW):
         return None
     (gone,) = before - set(replica.resident)
     return gone
