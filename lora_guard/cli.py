@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from lora_guard import __version__
 from lora_guard.clock import timer
@@ -44,6 +45,31 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
 
+    _add_demo_commands(commands)
+
+    bench = commands.add_parser(
+        "bench",
+        help="replay a multi-adapter workload against each serving scheme and print the table",
+        description="Replay one seeded trace (or yours, --trace) against static, on-demand, lru, "
+        "lora-guard, lora-guard with KV namespaces observed only, and transformers + PEFT; print "
+        "memory, swap latency, tail tokens/s, TTFT, hit rate beside Belady, cold-load failures, "
+        "KV conflicts and outputs that differ from the oracle. See docs/benchmarks.md.",
+    )
+    _add_bench_arguments(bench)
+
+    commands.add_parser(
+        "simulate",
+        help="compare routers over many replicas and adapters in a model calibrated on the "
+        "engine (--calibrate measures it); `lora-guard simulate --help` lists the options",
+        add_help=False,
+    )
+
+    _add_plugins_command(commands)
+    return parser
+
+
+def _add_demo_commands(commands: Any) -> None:
+    """prepare-demo, make-adapters and train-adapter."""
     demo = commands.add_parser(
         "prepare-demo",
         help="prepare the demo model (SmolLM2-135M-Instruct), its 24 seeded adapters and "
@@ -98,23 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0, help="default 0")
     train.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
 
-    bench = commands.add_parser(
-        "bench",
-        help="replay a multi-adapter workload against each serving scheme and print the table",
-        description="Replay one seeded trace (or yours, --trace) against static, on-demand, lru, "
-        "lora-guard, lora-guard with KV namespaces observed only, and transformers + PEFT; print "
-        "memory, swap latency, tail tokens/s, TTFT, hit rate beside Belady, cold-load failures, "
-        "KV conflicts and outputs that differ from the oracle. See docs/benchmarks.md.",
-    )
-    _add_bench_arguments(bench)
 
-    commands.add_parser(
-        "simulate",
-        help="compare routers over many replicas and adapters in a model calibrated on the "
-        "engine (--calibrate measures it); `lora-guard simulate --help` lists the options",
-        add_help=False,
-    )
-
+def _add_plugins_command(commands: Any) -> None:
     plugins = commands.add_parser(
         "plugins",
         help="list the plugins that would load, the hooks they implement and their settings",
@@ -136,7 +147,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="do not load this plugin (repeatable)",
     )
-    return parser
 
 
 def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:

@@ -45,6 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--trace", type=Path, help="replay this JSONL trace instead of generating one")
     add("--write-trace", type=Path, metavar="FILE", help="save the trace replayed here")
     add("--schemes", default=",".join(SCHEMES), help="comma-separated, from: " + ", ".join(SCHEMES))
+    _add_workload_flags(add, spec)
+    _add_run_flags(add)
+    _add_sweep_flags(add)
+    add("--json", type=Path, metavar="FILE", help="write the report as JSON")
+    add("--plots", type=Path, metavar="DIR", help="write PNG plots (needs matplotlib)")
+
+
+def _add_workload_flags(add: Any, spec: WorkloadSpec) -> None:
+    """The trace: generated (its scenario, sizes and seeds) or given."""
     add("--adapters", type=int, default=spec.adapters, help="adapters in the generated trace")
     add("--tenants", type=int, default=spec.tenants)
     add("--requests", type=int, default=FULL_REQUESTS, help="requests per trace (per seed)")
@@ -98,6 +107,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="replays of each seed's trace by every scheme, the order of the schemes rotated "
         "each time (2 with two schemes: A B, then B A); each turn is a run of the report's medians",
     )
+
+
+def _add_run_flags(add: Any) -> None:
+    """How the schemes run: the cold-load budget, --quick, a running --target, a --peer."""
     add(
         "--cold-loads-per-minute",
         type=int,
@@ -132,6 +145,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--peer-python", type=Path, help="an interpreter that has vLLM, instead of that venv")
     add("--peer-port", type=int, default=8701, help="loopback port for the peer")
+
+
+def _add_sweep_flags(add: Any) -> None:
+    """The capacity sweep (--sweep) and its systems."""
     add(
         "--sweep",
         type=_clients,
@@ -160,8 +177,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="share of the trace's requests for the base model (1: no adapter at all)",
     )
-    add("--json", type=Path, metavar="FILE", help="write the report as JSON")
-    add("--plots", type=Path, metavar="DIR", help="write PNG plots (needs matplotlib)")
 
 
 def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
