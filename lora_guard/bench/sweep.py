@@ -41,6 +41,13 @@ from lora_guard.bench.servers import (
     tree_rss,
     wait_ready,
 )
+from lora_guard.bench.sweep_report import (
+    ms,
+    sweep_table,
+    sweep_targets,
+    target_lines,
+    write_sweep_plot,
+)
 from lora_guard.bench.systems import SYSTEMS, System, make_system
 from lora_guard.bench.vllm_peer import vllm_mode
 from lora_guard.clock import monotonic
@@ -49,8 +56,6 @@ from lora_guard.workload.stats import percentile
 from lora_guard.workload.trace import TraceRequest, WorkloadSpec, fresh_trace, mean_rate
 
 KNEE_SHARE = 0.95  # the knee: the fewest clients that reach this share of the best throughput
-MACHINE_SHARE_TARGET = 0.5  # lora-guard's saturated FLOPs a second, at least this of the machine's
-LATENCY_TARGET = 0.5  # lora-guard's TTFT p95 at matched load, at most this share of each peer's
 FLAT = 1.05  # a point within this factor of the one before: the throughput is flat
 BEYOND = 2  # a system still rising at the last N is swept up to this times the last N
 
@@ -203,7 +208,7 @@ def run_system(
                 cache += f", {point.machine_share:.2f} of the machine"
             progress(
                 f"{system.name} {what}: {point.tokens_per_s:.1f} tok/s, TTFT p50 "
-                f"{_ms(point.ttft_p50_ms)} p95 {_ms(point.ttft_p95_ms)}, "
+                f"{ms(point.ttft_p50_ms)} p95 {ms(point.ttft_p95_ms)}, "
                 f"{point.completed}/{point.requests} done{cache} "
                 f"({monotonic() - started:.0f} s; machine {speed:.0f} GFLOP/s)"
             )
@@ -240,18 +245,6 @@ def cache_hit_rate(
 
 def _port(launch: ServerLaunch) -> int:
     return int(launch.command[launch.command.index("--port") + 1])
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f} ms"
-
-
-def _share(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def _gflops(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -305,27 +298,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 for i, name in enumerate(systems)
             }
             for name, system in made.items():
-                progress(f"{name}: sweeping N = {', '.join(map(str, sweep))}")
                 traces = SweepTraces(spec, adapters, args.requests)
-                runs = [(-1, warm)] + [(n, traces.point(n)) for n in sweep]
-
-                def more(
-                    points: list[Point], traces: SweepTraces = traces
-                ) -> tuple[int, list[TraceRequest]] | None:
-                    n = next_clients(points, BEYOND * max(sweep))
-                    return None if n is None else (n, traces.point(n))
-
-                log = Path(scratch) / f"{name}.log"
-                points, peak = run_system(system, log, runs, progress, more, ceiling)
-                logs[f"{name}-sweep"] = shared(log.read_text(errors="replace"))
-                report["systems"][name] = {
-                    "launch": system.launch.as_json(),
-                    **({"mode": vllm_mode(logs[f"{name}-sweep"])} if "vllm" in name else {}),
-                    "points": [asdict(p) for p in points],
-                    "saturated": asdict(saturated(points)),
-                    "knee_clients": knee(points).clients,
-                    "peak_rss": peak,
-                }
+                report["systems"][name] = _sweep_one(
+                    name, system, traces, sweep, warm, Path(scratch), progress, ceiling, logs
+                )
             capacity = min(s["saturated"]["requests_per_s"] for s in report["systems"].values())
             rate = args.matched_load * capacity
             matched = fresh_trace(
@@ -350,6 +326,45 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             return 2
     report["targets"] = sweep_targets(report["systems"])
     report["duration_s"] = monotonic() - started
+    _write(args, report, logs)
+    return 0
+
+
+def _sweep_one(
+    name: str,
+    system: System,
+    traces: SweepTraces,
+    sweep: list[int],
+    warm: list[TraceRequest],
+    scratch: Path,
+    progress: Callable[[str], None],
+    ceiling: Ceiling,
+    logs: dict[str, str],
+) -> dict[str, Any]:
+    """``system`` through the sweep's client counts, then on until its throughput is flat or
+    falling (``next_clients``): its report entry; its log goes into ``logs``."""
+    progress(f"{name}: sweeping N = {', '.join(map(str, sweep))}")
+    runs = [(-1, warm)] + [(n, traces.point(n)) for n in sweep]
+
+    def more(points: list[Point]) -> tuple[int, list[TraceRequest]] | None:
+        n = next_clients(points, BEYOND * max(sweep))
+        return None if n is None else (n, traces.point(n))
+
+    log = scratch / f"{name}.log"
+    points, peak = run_system(system, log, runs, progress, more, ceiling)
+    logs[f"{name}-sweep"] = shared(log.read_text(errors="replace"))
+    return {
+        "launch": system.launch.as_json(),
+        **({"mode": vllm_mode(logs[f"{name}-sweep"])} if "vllm" in name else {}),
+        "points": [asdict(p) for p in points],
+        "saturated": asdict(saturated(points)),
+        "knee_clients": knee(points).clients,
+        "peak_rss": peak,
+    }
+
+
+def _write(args: argparse.Namespace, report: dict[str, Any], logs: dict[str, str]) -> None:
+    """The table and the targets; the JSON with each run's server log beside it; the plots."""
     print(sweep_table(report["systems"]))
     print("\n" + "\n".join(target_lines(report["targets"])))
     if args.json:
@@ -360,7 +375,6 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.plots:
         for path in write_sweep_plot(report["systems"], args.plots):
             print(f"wrote {path}", file=sys.stderr)
-    return 0
 
 
 def _regime(args: argparse.Namespace) -> str:
@@ -370,134 +384,3 @@ def _regime(args: argparse.Namespace) -> str:
     if seats >= args.adapters:
         return f"everything fits: {args.adapters} adapters, {seats} seats"
     return f"adapters under pressure: {args.adapters} adapters on {seats} seats"
-
-
-def sweep_targets(systems: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """lora-guard's saturated throughput against the machine's matrix rate, and its saturated
-    and one-client throughput and matched-load TTFT p95 against each peer's, by each peer's
-    goals (``systems.SYSTEMS``)."""
-    ours = systems.get("lora-guard")
-    if ours is None:
-        return []
-    found = []
-    share = ours["saturated"].get("machine_share")
-    if share is not None:
-        found.append(
-            {
-                "what": "saturated tok/s x FLOPs a token over the machine's matrix rate",
-                "goal": f">= {MACHINE_SHARE_TARGET:g}",
-                "value": share,
-                "met": share >= MACHINE_SHARE_TARGET,
-            }
-        )
-    for peer, entry in SYSTEMS.items():
-        goal = entry.throughput_goal
-        if goal is None or peer not in systems:
-            continue
-        theirs = systems[peer]
-        ratio = _ratio(ours["saturated"]["tokens_per_s"], theirs["saturated"]["tokens_per_s"])
-        found.append(
-            {
-                "what": f"saturated tok/s vs {peer}",
-                "goal": f">= {goal:g}x",
-                "value": ratio,
-                "met": ratio is not None and ratio >= goal,
-            }
-        )
-        one = entry.one_client_goal
-        ratio = _ratio(_one_client(ours), _one_client(theirs))
-        if one is not None and ratio is not None:
-            found.append(
-                {
-                    "what": f"tok/s at one client vs {peer}",
-                    "goal": f">= {one:g}x",
-                    "value": ratio,
-                    "met": ratio >= one,
-                }
-            )
-        if "matched" in ours and "matched" in theirs:
-            ratio = _ratio(ours["matched"]["ttft_p95_ms"], theirs["matched"]["ttft_p95_ms"])
-            found.append(
-                {
-                    "what": f"TTFT p95 at matched load vs {peer}",
-                    "goal": f"<= {LATENCY_TARGET:g}x",
-                    "value": ratio,
-                    "met": ratio is not None and ratio <= LATENCY_TARGET,
-                }
-            )
-    return found
-
-
-def _one_client(found: dict[str, Any]) -> float | None:
-    return next((p["tokens_per_s"] for p in found.get("points", ()) if p["clients"] == 1), None)
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def target_lines(targets: list[dict[str, Any]]) -> list[str]:
-    lines = []
-    for t in targets:
-        unit = "x" if t["goal"].endswith("x") else ""  # a ratio; a share has none
-        value = "-" if t["value"] is None else f"{t['value']:.3g}{unit}"
-        lines.append(
-            f"{t['what']}: {value} (target {t['goal']}): {'met' if t['met'] else 'missed'}"
-        )
-    return lines
-
-
-def sweep_table(systems: dict[str, dict[str, Any]]) -> str:
-    rows = [
-        "| system | clients | tok/s | TTFT p50 | TTFT p95 | e2e p95 | done | prefix cache hit "
-        "| machine GFLOP/s | of the machine |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, found in systems.items():
-        best = found["saturated"]["clients"]
-        for p in [*found["points"], *([found["matched"]] if "matched" in found else [])]:
-            clients = str(p["clients"]) if p["clients"] else "matched load"
-            mark = " (saturated)" if p["clients"] == best else ""
-            rows.append(
-                f"| {name} | {clients}{mark} | {p['tokens_per_s']:.1f} | "
-                f"{_ms(p['ttft_p50_ms'])} | {_ms(p['ttft_p95_ms'])} | "
-                f"{_ms(p['e2e_p95_ms'])} | {p['completed']}/{p['requests']} | "
-                f"{_share(p.get('prefix_cache_hit_rate'))} | {_gflops(p.get('machine_gflops'))} | "
-                f"{_share(p.get('machine_share'))} |"
-            )
-    return "\n".join(rows)
-
-
-def write_sweep_plot(systems: dict[str, dict[str, Any]], folder: Path) -> list[Path]:
-    """capacity.png: tok/s and TTFT p95 against the clients in the loop, a line per system."""
-    from lora_guard.bench.plots import colour, pyplot, save
-
-    plt = pyplot()
-    folder.mkdir(parents=True, exist_ok=True)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, found in systems.items():
-        clients = [p["clients"] for p in found["points"]]
-        left.plot(
-            clients,
-            [p["tokens_per_s"] for p in found["points"]],
-            marker="o",
-            label=name,
-            color=colour(name),
-        )
-        right.plot(
-            clients,
-            [p["ttft_p95_ms"] for p in found["points"]],
-            marker="o",
-            label=name,
-            color=colour(name),
-        )
-    left.set_ylabel("generated tokens/s (all clients busy)")
-    right.set_ylabel("TTFT p95 (ms)")
-    right.set_yscale("log")
-    for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("clients in the closed loop")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    return [save(fig, folder / "capacity.png")]

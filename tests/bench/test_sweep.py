@@ -22,9 +22,8 @@ from lora_guard.bench.sweep import (
     knee,
     next_clients,
     saturated,
-    sweep_targets,
-    target_lines,
 )
+from lora_guard.bench.sweep_report import sweep_targets, target_lines
 from lora_guard.bench.systems import _by_lora_list
 from lora_guard.demo.testing import AdapterFactory
 from lora_guard.workload.trace import TraceRequest

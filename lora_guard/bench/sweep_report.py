@@ -1,0 +1,155 @@
+"""The capacity sweep's report: lora-guard's targets over each peer, the table, the plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lora_guard.bench.systems import SYSTEMS
+
+MACHINE_SHARE_TARGET = 0.5  # lora-guard's saturated FLOPs a second, at least this of the machine's
+LATENCY_TARGET = 0.5  # lora-guard's TTFT p95 at matched load, at most this share of each peer's
+
+
+def sweep_targets(systems: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """lora-guard's saturated throughput against the machine's matrix rate, and its saturated
+    and one-client throughput and matched-load TTFT p95 against each peer's, by each peer's
+    goals (``systems.SYSTEMS``)."""
+    ours = systems.get("lora-guard")
+    if ours is None:
+        return []
+    found = []
+    share = ours["saturated"].get("machine_share")
+    if share is not None:
+        found.append(
+            {
+                "what": "saturated tok/s x FLOPs a token over the machine's matrix rate",
+                "goal": f">= {MACHINE_SHARE_TARGET:g}",
+                "value": share,
+                "met": share >= MACHINE_SHARE_TARGET,
+            }
+        )
+    for peer, entry in SYSTEMS.items():
+        goal = entry.throughput_goal
+        if goal is None or peer not in systems:
+            continue
+        theirs = systems[peer]
+        ratio = _ratio(ours["saturated"]["tokens_per_s"], theirs["saturated"]["tokens_per_s"])
+        found.append(
+            {
+                "what": f"saturated tok/s vs {peer}",
+                "goal": f">= {goal:g}x",
+                "value": ratio,
+                "met": ratio is not None and ratio >= goal,
+            }
+        )
+        one = entry.one_client_goal
+        ratio = _ratio(_one_client(ours), _one_client(theirs))
+        if one is not None and ratio is not None:
+            found.append(
+                {
+                    "what": f"tok/s at one client vs {peer}",
+                    "goal": f">= {one:g}x",
+                    "value": ratio,
+                    "met": ratio >= one,
+                }
+            )
+        if "matched" in ours and "matched" in theirs:
+            ratio = _ratio(ours["matched"]["ttft_p95_ms"], theirs["matched"]["ttft_p95_ms"])
+            found.append(
+                {
+                    "what": f"TTFT p95 at matched load vs {peer}",
+                    "goal": f"<= {LATENCY_TARGET:g}x",
+                    "value": ratio,
+                    "met": ratio is not None and ratio <= LATENCY_TARGET,
+                }
+            )
+    return found
+
+
+def _one_client(found: dict[str, Any]) -> float | None:
+    return next((p["tokens_per_s"] for p in found.get("points", ()) if p["clients"] == 1), None)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def target_lines(targets: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for t in targets:
+        unit = "x" if t["goal"].endswith("x") else ""  # a ratio; a share has none
+        value = "-" if t["value"] is None else f"{t['value']:.3g}{unit}"
+        lines.append(
+            f"{t['what']}: {value} (target {t['goal']}): {'met' if t['met'] else 'missed'}"
+        )
+    return lines
+
+
+def sweep_table(systems: dict[str, dict[str, Any]]) -> str:
+    rows = [
+        "| system | clients | tok/s | TTFT p50 | TTFT p95 | e2e p95 | done | prefix cache hit "
+        "| machine GFLOP/s | of the machine |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, found in systems.items():
+        best = found["saturated"]["clients"]
+        for p in [*found["points"], *([found["matched"]] if "matched" in found else [])]:
+            clients = str(p["clients"]) if p["clients"] else "matched load"
+            mark = " (saturated)" if p["clients"] == best else ""
+            rows.append(
+                f"| {name} | {clients}{mark} | {p['tokens_per_s']:.1f} | "
+                f"{ms(p['ttft_p50_ms'])} | {ms(p['ttft_p95_ms'])} | "
+                f"{ms(p['e2e_p95_ms'])} | {p['completed']}/{p['requests']} | "
+                f"{share_text(p.get('prefix_cache_hit_rate'))} | "
+                f"{gflops_text(p.get('machine_gflops'))} | "
+                f"{share_text(p.get('machine_share'))} |"
+            )
+    return "\n".join(rows)
+
+
+def write_sweep_plot(systems: dict[str, dict[str, Any]], folder: Path) -> list[Path]:
+    """capacity.png: tok/s and TTFT p95 against the clients in the loop, a line per system."""
+    from lora_guard.bench.plots import colour, pyplot, save
+
+    plt = pyplot()
+    folder.mkdir(parents=True, exist_ok=True)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, found in systems.items():
+        clients = [p["clients"] for p in found["points"]]
+        left.plot(
+            clients,
+            [p["tokens_per_s"] for p in found["points"]],
+            marker="o",
+            label=name,
+            color=colour(name),
+        )
+        right.plot(
+            clients,
+            [p["ttft_p95_ms"] for p in found["points"]],
+            marker="o",
+            label=name,
+            color=colour(name),
+        )
+    left.set_ylabel("generated tokens/s (all clients busy)")
+    right.set_ylabel("TTFT p95 (ms)")
+    right.set_yscale("log")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("clients in the closed loop")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return [save(fig, folder / "capacity.png")]
+
+
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
+
+
+def share_text(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def gflops_text(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
