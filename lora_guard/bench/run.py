@@ -71,22 +71,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return sweep.run(args, argv)
     started = monotonic()
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
-    unknown = [s for s in schemes if s not in SCHEMES]
-    if unknown or not schemes:
-        print(
-            f"error: unknown scheme {unknown[0] if unknown else ''!r}; choose from "
-            f"{', '.join(SCHEMES)}",
-            file=sys.stderr,
-        )
-        return 2
-    if not args.load > 0:
-        print(f"error: --load must be positive, got {args.load}", file=sys.stderr)
-        return 2
-    if args.target and args.turns > 1:
-        print(
-            "error: --turns replays the schemes run here; a --target run is one scheme",
-            file=sys.stderr,
-        )
+    problem = _check(args, schemes)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="lora-guard-bench-") as scratch:
         try:
@@ -130,6 +117,33 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         ],
         "duration_s": monotonic() - started,
     }
+    _write(args, report, bench, summaries)
+    lost = sum(s["requests"] - s["completed"] for s in summaries.values())
+    if lost:
+        print(f"{lost} requests did not complete (see 'failed' in the JSON)", file=sys.stderr)
+    return 1 if lost else 0
+
+
+def _check(args: argparse.Namespace, schemes: list[str]) -> str | None:
+    """What is wrong with the command's schemes and flags, if anything."""
+    unknown = [s for s in schemes if s not in SCHEMES]
+    if unknown or not schemes:
+        name = unknown[0] if unknown else ""
+        return f"unknown scheme {name!r}; choose from {', '.join(SCHEMES)}"
+    if not args.load > 0:
+        return f"--load must be positive, got {args.load}"
+    if args.target and args.turns > 1:
+        return "--turns replays the schemes run here; a --target run is one scheme"
+    return None
+
+
+def _write(
+    args: argparse.Namespace,
+    report: dict[str, Any],
+    bench: Bench,
+    summaries: dict[str, dict[str, Any]],
+) -> None:
+    """The JSON with each peer's log beside it, and the plots."""
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
@@ -146,10 +160,6 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         # The CDFs and the hit rate over time are the first seed's runs.
         for path in write_plots(summaries, bench.parts[0].runs, args.plots):
             print(f"wrote {path}", file=sys.stderr)
-    lost = sum(s["requests"] - s["completed"] for s in summaries.values())
-    if lost:
-        print(f"{lost} requests did not complete (see 'failed' in the JSON)", file=sys.stderr)
-    return 1 if lost else 0
 
 
 def _summaries(part: SeedRun) -> dict[str, dict[str, Any]]:
@@ -213,19 +223,7 @@ def _in_process(
     )
     # --quick runs everything here: process start-up would outweigh the tiny model's work.
     isolated = not args.quick
-    capacity = None
-    if args.rate is None and not args.trace:
-        _progress(started, f"measuring capacity: {CAPACITY_BATCH} base-model requests at once")
-        capacity = _call(isolated, measure_capacity, capacity_prompts(spec, ids), options)
-        spec = replace(spec, rate=arrival_rate(spec, args.load, capacity))
-        _progress(
-            started,
-            f"capacity {capacity.requests_per_s:.3g} requests/s "
-            f"({capacity.tokens_per_s:.0f} tokens/s); load {args.load}: "
-            f"{spec.rate:.3g} arrivals/s outside bursts",
-        )
-    elif args.rate is not None:
-        spec = replace(spec, rate=args.rate)
+    spec, capacity = _rate(args, spec, ids, options, isolated, started)
     parts: list[SeedRun] = []
     engine: dict[str, Any] = {}
     peers: dict[str, Path] = {}  # a peer's name: the interpreter that runs it
@@ -249,21 +247,7 @@ def _in_process(
             runs: dict[str, SchemeRun] = {}
             for scheme in order:
                 _progress(started, f"{which}replaying {len(trace)} requests on {scheme}")
-                if scheme == "peft":
-                    runs[scheme] = _call(isolated, replay_peft, trace, seed_options)
-                elif scheme in peers:
-                    runs[scheme] = replay_vllm(
-                        trace,
-                        seed_options,
-                        peers[scheme],
-                        args.peer_port,
-                        scratch / f"{scheme}.log",
-                        peer=scheme,
-                    )
-                else:
-                    runs[scheme] = _call(
-                        isolated, replay_scheme, scheme, trace, seed_options, static_id
-                    )
+                runs[scheme] = _replay(scheme, trace, seed_options, static_id, peers, args, scratch)
             runs = {name: runs[name] for name in [*schemes, *peers]}
             turns.append(SeedRun(seed, trace, runs, {}, turn, order))
         _progress(started, f"{what}computing the oracle")
@@ -281,6 +265,51 @@ def _in_process(
         }
     _progress(started, "done")
     return Bench(parts, engine, spec.rate, capacity)
+
+
+def _rate(
+    args: argparse.Namespace,
+    spec: WorkloadSpec,
+    ids: list[str],
+    options: EngineOptions,
+    isolated: bool,
+    started: float,
+) -> tuple[WorkloadSpec, Capacity | None]:
+    """``spec`` at its arrival rate: ``--rate``, the trace's own, or ``--load`` of the capacity
+    measured here (and that capacity)."""
+    if args.rate is not None:
+        return replace(spec, rate=args.rate), None
+    if args.trace:
+        return spec, None
+    _progress(started, f"measuring capacity: {CAPACITY_BATCH} base-model requests at once")
+    capacity = _call(isolated, measure_capacity, capacity_prompts(spec, ids), options)
+    spec = replace(spec, rate=arrival_rate(spec, args.load, capacity))
+    _progress(
+        started,
+        f"capacity {capacity.requests_per_s:.3g} requests/s "
+        f"({capacity.tokens_per_s:.0f} tokens/s); load {args.load}: "
+        f"{spec.rate:.3g} arrivals/s outside bursts",
+    )
+    return spec, capacity
+
+
+def _replay(
+    scheme: str,
+    trace: list[TraceRequest],
+    options: EngineOptions,
+    static_id: str,
+    peers: dict[str, Path],
+    args: argparse.Namespace,
+    scratch: Path,
+) -> SchemeRun:
+    """One scheme, PEFT or a vLLM peer replaying ``trace``."""
+    isolated = not args.quick
+    if scheme == "peft":
+        return _call(isolated, replay_peft, trace, options)
+    if scheme in peers:
+        log = scratch / f"{scheme}.log"
+        return replay_vllm(trace, options, peers[scheme], args.peer_port, log, peer=scheme)
+    return _call(isolated, replay_scheme, scheme, trace, options, static_id)
 
 
 def _against_target(args: argparse.Namespace, started: float) -> Bench:
