@@ -34,15 +34,15 @@ class _FirstToken:
         pass
 
 
-def replay_peft(trace: list[TraceRequest], options: EngineOptions) -> SchemeRun:
+def _load(
+    options: EngineOptions, adapters: list[str], dtype: torch.dtype, device: torch.device
+) -> tuple[Any, Any, int, int]:
+    """The base model with every adapter of the trace loaded into it (PEFT's multi-adapter
+    model), the base model's config, the base weights' bytes and the adapters'."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    dtype = getattr(torch, options.dtype)
-    device = torch.device(options.device)
-    tokenizer = AutoTokenizer.from_pretrained(options.model)
     base = AutoModelForCausalLM.from_pretrained(options.model, dtype=dtype).to(device)
-    adapters = sorted({r.adapter_id for r in trace if r.adapter_id is not None})
     base_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
     model: Any = base
     for i, name in enumerate(adapters):
@@ -53,10 +53,24 @@ def replay_peft(trace: list[TraceRequest], options: EngineOptions) -> SchemeRun:
             model.load_adapter(path, adapter_name=name)
     model.eval()
     lora_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - base_bytes
-    config = base.config
+    return model, base.config, base_bytes, lora_bytes
+
+
+def _kv_elements_per_token(config: Any) -> int:
+    """KV elements a token takes over every layer (keys and values)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
-    kv_per_token *= torch.tensor([], dtype=dtype).element_size()
+    return int(2 * config.num_hidden_layers * config.num_key_value_heads * head_dim)
+
+
+def replay_peft(trace: list[TraceRequest], options: EngineOptions) -> SchemeRun:
+    from transformers import AutoTokenizer
+
+    dtype = getattr(torch, options.dtype)
+    device = torch.device(options.device)
+    tokenizer = AutoTokenizer.from_pretrained(options.model)
+    adapters = sorted({r.adapter_id for r in trace if r.adapter_id is not None})
+    model, config, base_bytes, lora_bytes = _load(options, adapters, dtype, device)
+    kv_per_token = _kv_elements_per_token(config) * torch.tensor([], dtype=dtype).element_size()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     loaded = set(model.peft_config) if adapters else set()

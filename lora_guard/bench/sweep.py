@@ -302,18 +302,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 report["systems"][name] = _sweep_one(
                     name, system, traces, sweep, warm, Path(scratch), progress, ceiling, logs
                 )
-            capacity = min(s["saturated"]["requests_per_s"] for s in report["systems"].values())
-            rate = args.matched_load * capacity
-            matched = fresh_trace(
-                replace(spec, rate=rate / (mean_rate(spec) / spec.rate)), adapters, args.requests
-            )
-            report["matched"] = {
-                "load": args.matched_load,
-                "of_requests_per_s": capacity,
-                "requests_per_s": rate,
-                "requests": len(matched),
-            }
+            matched = _matched_trace(report, spec, adapters, args)
             for name, system in made.items():
+                rate = report["matched"]["requests_per_s"]
                 progress(f"{name}: the trace at {rate:.2f} requests/s (matched load)")
                 log = Path(scratch) / f"{name}-matched.log"
                 points, _ = run_system(
@@ -361,6 +352,25 @@ def _sweep_one(
         "knee_clients": knee(points).clients,
         "peak_rss": peak,
     }
+
+
+def _matched_trace(
+    report: dict[str, Any], spec: WorkloadSpec, adapters: list[str], args: argparse.Namespace
+) -> list[TraceRequest]:
+    """A trace new to every system at ``--matched-load`` of the smallest saturated rate of the
+    sweep; what it is goes into ``report["matched"]``."""
+    capacity = min(s["saturated"]["requests_per_s"] for s in report["systems"].values())
+    rate = args.matched_load * capacity
+    matched = fresh_trace(
+        replace(spec, rate=rate / (mean_rate(spec) / spec.rate)), adapters, args.requests
+    )
+    report["matched"] = {
+        "load": args.matched_load,
+        "of_requests_per_s": capacity,
+        "requests_per_s": rate,
+        "requests": len(matched),
+    }
+    return matched
 
 
 def _write(args: argparse.Namespace, report: dict[str, Any], logs: dict[str, str]) -> None:
