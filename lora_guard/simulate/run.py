@@ -147,20 +147,16 @@ def simulate(
 
     fleet = Fleet([], events, finished)
     for i in range(replicas):
-        replica = Replica(
-            f"r{i}", slots, max_num_seqs, costs, quantum_s, host_slots, max_batch_tokens
-        )
+        replica = Replica(f"r{i}", slots, max_num_seqs, costs, quantum_s, host_slots)
+        replica.max_batch_tokens = max_batch_tokens
         replica.start_with(start_resident, start_host)
         fleet.replicas.append(replica)
     router = make_router(router_name, rng, spread_queue)
-    reports = Reports(
-        fleet,
-        events,
-        stats_period_s,
-        stats_tick_s,
-        rng,
-        lambda: any(o.finish is None for o in outcomes),
-    )
+
+    def unfinished() -> bool:
+        return any(o.finish is None for o in outcomes)
+
+    reports = Reports(fleet, events, stats_period_s, stats_tick_s, rng, unfinished)
 
     def send(outcome: Outcome) -> Callable[[float], None]:
         def action(now: float) -> None:

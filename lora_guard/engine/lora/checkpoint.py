@@ -12,8 +12,10 @@ import logging
 import os
 import re
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -168,6 +170,37 @@ def read_adapter(
     def fail(reason: str) -> AdapterError:
         return AdapterError(f"adapter {adapter_id!r}: {reason}")
 
+    _check_folder(adapter_id, path, root, fail)
+    stamp = files_stamp(path)  # before reading: a change during the read shows at the next check
+    try:
+        config_bytes = _read_regular_file(path / CONFIG_FILE, root, MAX_CONFIG_BYTES)
+        data = _read_regular_file(path / WEIGHTS_FILE, root, largest_adapter_bytes(spec, max_rank))
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    config = _read_config(config_bytes, fail)
+    try:
+        tensors = load_safetensors(data)
+    except Exception as exc:  # safetensors raises its own error types for corrupt files
+        raise fail(f"{WEIGHTS_FILE} is corrupt or truncated ({exc})") from None
+    weights = _scaled(_pairs(tensors, spec, fail), config, spec, max_rank, dtype, fail)
+    return LoRAAdapter(
+        adapter_id=adapter_id,
+        path=path,
+        rank=max(a.shape[0] for a, _ in weights.values()),
+        weights=weights,
+        content_hash=content_hash(config_bytes, data),
+        nbytes=len(data),
+        target_modules=tuple(sorted({m for _, m in weights})),
+        stamp=stamp,
+    )
+
+
+Fail = Callable[[str], AdapterError]
+
+
+def _check_folder(adapter_id: str, path: Path, root: Path | None, fail: Fail) -> None:
+    """A folder inside ``root`` whose weights are safetensors (pickle files beside them are
+    left unopened, and said once)."""
     if not path.is_dir():
         raise fail(f"{path} is not a folder")
     if root is not None and not path.resolve().is_relative_to(root.resolve()):
@@ -186,12 +219,10 @@ def read_adapter(
             WEIGHTS_FILE,
             ", ".join(pickles),
         )
-    stamp = files_stamp(path)  # before reading: a change during the read shows at the next check
-    try:
-        config_bytes = _read_regular_file(path / CONFIG_FILE, root, MAX_CONFIG_BYTES)
-        data = _read_regular_file(path / WEIGHTS_FILE, root, largest_adapter_bytes(spec, max_rank))
-    except ValueError as exc:
-        raise fail(str(exc)) from None
+
+
+def _read_config(config_bytes: bytes, fail: Fail) -> dict[str, Any]:
+    """``adapter_config.json`` as a dict, refused when it asks for what the engine cannot do."""
     try:
         config = json.loads(config_bytes)
     except ValueError as exc:
@@ -208,14 +239,13 @@ def read_adapter(
         raise fail(f"bias={config.get('bias')!r} is not supported (only 'none')")
     if config.get("fan_in_fan_out"):
         raise fail("fan_in_fan_out adapters are not supported")
-    try:
-        tensors = load_safetensors(data)
-    except Exception as exc:  # safetensors raises its own error types for corrupt files
-        raise fail(f"{WEIGHTS_FILE} is corrupt or truncated ({exc})") from None
+    return config
 
-    alpha = float(config.get("lora_alpha") or config.get("r") or 8)
-    alpha_pattern = config.get("alpha_pattern") or {}
-    rslora = bool(config.get("use_rslora", False))
+
+def _pairs(
+    tensors: dict[str, torch.Tensor], spec: ModelSpec, fail: Fail
+) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """The file's tensors by (layer, projection), then ``"A"`` and ``"B"``."""
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
@@ -231,9 +261,23 @@ def read_adapter(
         pairs.setdefault((layer, module), {})[which] = tensor
     if not pairs:
         raise fail("it has no LoRA weights")
+    return pairs
 
+
+def _scaled(
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]],
+    config: dict[str, Any],
+    spec: ModelSpec,
+    max_rank: int,
+    dtype: torch.dtype,
+    fail: Fail,
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """Each projection's (A, B) checked against the base model, the scaling (alpha over rank,
+    or over its root with rsLoRA; ``alpha_pattern`` per module) folded into B, in ``dtype``."""
+    alpha = float(config.get("lora_alpha") or config.get("r") or 8)
+    alpha_pattern = config.get("alpha_pattern") or {}
+    rslora = bool(config.get("use_rslora", False))
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-    max_seen = 0
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise fail(f"layer {layer} {module} lacks its lora_{'B' if 'A' in ab else 'A'} weight")
@@ -252,15 +296,4 @@ def read_adapter(
         module_alpha = _pattern_value(alpha_pattern, name, alpha)
         scale = module_alpha / (rank**0.5 if rslora else rank)
         weights[(layer, module)] = (a.float().to(dtype), (b.float() * scale).to(dtype))
-        max_seen = max(max_seen, rank)
-    digest = content_hash(config_bytes, data)
-    return LoRAAdapter(
-        adapter_id=adapter_id,
-        path=path,
-        rank=max_seen,
-        weights=weights,
-        content_hash=digest,
-        nbytes=len(data),
-        target_modules=tuple(sorted({m for _, m in weights})),
-        stamp=stamp,
-    )
+    return weights
