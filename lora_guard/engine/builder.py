@@ -79,6 +79,63 @@ def engine_from_config(
 
     hooks = hooks if hooks is not None else Hooks(make_plugin_manager())
     model_dir = Path(config.model).expanduser()
+    model = _model(config, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model_id = config.model_id or model_name(model_dir, model.config)
+    spec = model.spec
+    registry = AdapterRegistry()
+    if adapter_dir is not None:
+        registry.add_dir(Path(adapter_dir).expanduser())
+    for adapter_id, path in (adapters or {}).items():
+        registry.add(adapter_id, Path(path).expanduser())
+    num_pages, page_bytes, adapter_pages = _pool_pages(config, spec, registry)
+    try:
+        pool = CachePool(
+            spec,
+            num_pages,
+            config.block_size,
+            config.torch_dtype,
+            config.torch_device,
+            config.torch_lora_dtype,
+        )
+        lora_compute = resolve_mode(
+            config.lora_compute, config.torch_dtype, config.torch_device, config.torch_lora_dtype
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    runner = ModelRunner(
+        model, pool, lora_compute, merge_for_good=config.static_adapter is not None
+    )
+    blocks = BlockManager(
+        num_pages,
+        config.block_size,
+        config.enable_prefix_caching,
+        clock=config.clock,
+        kv_pages=num_pages - adapter_pages,
+    )
+    residency = _residency(config, pool, blocks, registry, runner, hooks, spec)
+    scheduler = Scheduler(
+        blocks,
+        residency,
+        hooks,
+        model_id,
+        config.max_batch_tokens,
+        config.max_num_seqs,
+        reject_when_busy=config.reject_when_busy,
+        page_bytes=page_bytes,
+        clock=config.clock,
+    )
+    check = RequestCheck(
+        residency.registry,
+        spec.vocab_size,
+        max_model_len(config, spec, num_pages),
+        config.static_adapter,
+    )
+    return LLMEngine(config, hooks, tokenizer, model_id, scheduler, runner, check)
+
+
+def _model(config: EngineConfig, model_dir: Path) -> LlamaModel:
+    """The base model in the configured dtype, device and weight layout."""
     layout = config.weight_layout
     if layout == "blocked" and not blocked_layout_available(
         config.torch_dtype, config.torch_device
@@ -92,15 +149,14 @@ def engine_from_config(
             "float16 on a CPU runs several times slower than bfloat16 (no native half-precision "
             "matrix products here); --dtype bfloat16 keeps 16-bit memory at full speed"
         )
-    model = LlamaModel(model_dir, config.torch_dtype, config.torch_device, blocked=blocked)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model_id = config.model_id or model_name(model_dir, model.config)
-    spec = model.spec
-    registry = AdapterRegistry()
-    if adapter_dir is not None:
-        registry.add_dir(Path(adapter_dir).expanduser())
-    for adapter_id, path in (adapters or {}).items():
-        registry.add(adapter_id, Path(path).expanduser())
+    return LlamaModel(model_dir, config.torch_dtype, config.torch_device, blocked=blocked)
+
+
+def _pool_pages(
+    config: EngineConfig, spec: ModelSpec, registry: AdapterRegistry
+) -> tuple[int, int, int]:
+    """The cache pool's pages, the bytes of one, and the pages kept for adapters alone
+    (``adapter_memory``)."""
     page_bytes = CachePool.page_bytes(spec, config.block_size, config.torch_dtype)
     try:
         lora_page_elems = CachePool.lora_elements(
@@ -129,30 +185,20 @@ def engine_from_config(
             f"adapter_memory ({config.adapter_memory} bytes) leaves the KV fewer than "
             f"{MIN_KV_BLOCKS} pages of the cache pool's {num_pages}"
         )
-    try:
-        pool = CachePool(
-            spec,
-            num_pages,
-            config.block_size,
-            config.torch_dtype,
-            config.torch_device,
-            config.torch_lora_dtype,
-        )
-        lora_compute = resolve_mode(
-            config.lora_compute, config.torch_dtype, config.torch_device, config.torch_lora_dtype
-        )
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    runner = ModelRunner(
-        model, pool, lora_compute, merge_for_good=config.static_adapter is not None
-    )
-    blocks = BlockManager(
-        num_pages,
-        config.block_size,
-        config.enable_prefix_caching,
-        clock=config.clock,
-        kv_pages=num_pages - adapter_pages,
-    )
+    return num_pages, page_bytes, adapter_pages
+
+
+def _residency(
+    config: EngineConfig,
+    pool: CachePool,
+    blocks: BlockManager,
+    registry: AdapterRegistry,
+    runner: ModelRunner,
+    hooks: Hooks,
+    spec: ModelSpec,
+) -> Residency:
+    """Which adapters the steps compute with: pages in the pool, or weights merged (with a
+    static adapter merged for good)."""
     tiers = (
         blocks,
         HostCache(config.max_cpu_loras),
@@ -160,34 +206,13 @@ def engine_from_config(
         registry,
         config.max_loras,
     )
-    residency: Residency
-    if config.lora_mode == "merged":
-        residency = MergedResidency(*tiers, merge=runner.merge, events=hooks, clock=config.clock)
-    else:
+    if config.lora_mode != "merged":
         quantum_s = config.residency_quantum_ms / 1000
-        residency = ResidencyManager(
-            pool, *tiers, events=hooks, quantum_s=quantum_s, clock=config.clock
-        )
-    if isinstance(residency, MergedResidency) and config.static_adapter is not None:
+        return ResidencyManager(pool, *tiers, events=hooks, quantum_s=quantum_s, clock=config.clock)
+    residency = MergedResidency(*tiers, merge=runner.merge, events=hooks, clock=config.clock)
+    if config.static_adapter is not None:
         merge_static(residency, config.static_adapter, spec, config)
-    scheduler = Scheduler(
-        blocks,
-        residency,
-        hooks,
-        model_id,
-        config.max_batch_tokens,
-        config.max_num_seqs,
-        reject_when_busy=config.reject_when_busy,
-        page_bytes=page_bytes,
-        clock=config.clock,
-    )
-    check = RequestCheck(
-        residency.registry,
-        spec.vocab_size,
-        max_model_len(config, spec, num_pages),
-        config.static_adapter,
-    )
-    return LLMEngine(config, hooks, tokenizer, model_id, scheduler, runner, check)
+    return residency
 
 
 def max_model_len(config: EngineConfig, spec: ModelSpec, num_pages: int | None) -> int:
