@@ -12,7 +12,8 @@ from prometheus_client.samples import Sample
 
 from lora_guard import LLM, SamplingParams
 from lora_guard.demo.testing import AdapterFactory
-from lora_guard.metrics import METRICS, Metric, MetricsPlugin, metrics_of
+from lora_guard.metric_table import METRICS, Metric
+from lora_guard.metrics import MetricsPlugin, metrics_of
 from lora_guard.plugins import Reject, hookimpl
 from lora_guard.plugins.state import EngineState, RequestView
 

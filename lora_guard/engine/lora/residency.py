@@ -313,24 +313,9 @@ class ResidencyManager(Residency):
             seat = self.choose_seat(now)
         if seat is None or not 0 <= seat < len(self.seats):
             return None
-        occupant = self.seats[seat]
-        if occupant is not None and not self.evictable(occupant, now):
+        victims = self._victims(seat, layout.num_pages, evict, now)
+        if victims is None:
             return None
-        victims = [occupant] if occupant is not None else []
-        if self._blank(victims) < layout.num_pages:
-            # the seats the policy named first, then the pool's choice (``_free_pages``)
-            named = [self.seats[s] for s in evict if 0 <= s < len(self.seats)]
-            for extra in named:
-                if extra is None or extra in victims or not self.evictable(extra, now):
-                    continue
-                if self._blank(victims) >= layout.num_pages:
-                    break
-                victims.append(extra)
-            idle = sum(c.pages for c in self._idle_adapters(now, victims))
-            cached = 0 if self.partitioned else len(self.blocks.idle_cached())
-            if self._blank(victims) + cached + idle < layout.num_pages:
-                self.short_of_pages = True
-                return None  # the pool is full of KV in use: wait for requests to finish
         thrash = not parked and self.load_evicts(need)  # before the pool changes
         read_ms = self._read_ms.get(adapter_id)  # read from disk for this load
         if read_ms is not None and not self.costs.external:
@@ -346,16 +331,8 @@ class ResidencyManager(Residency):
         self.pool.write(adapter, layout, first)
         if not self.costs.external:
             self.costs.write(layout.num_pages, (timer() - started) * 1000)
-        entry = Resident(
-            adapter_id,
-            adapter.content_hash,
-            seat,
-            first,
-            layout,
-            self.pool.views(layout, first),
-            now,
-            now,
-        )
+        views = self.pool.views(layout, first)
+        entry = Resident(adapter_id, adapter.content_hash, seat, first, layout, views, now, now)
         self.seats[seat] = entry
         if not self.max_loras and None not in self.seats:
             self.seats.append(None)  # no cap: a free seat is always there
@@ -364,6 +341,32 @@ class ResidencyManager(Residency):
         if thrash:
             self.usage.evicting_loads.add(adapter_id)
         return entry
+
+    def _victims(
+        self, seat: int, pages: int, evict: Iterable[int], now: float
+    ) -> list[Resident] | None:
+        """What leaves for an adapter of ``pages`` pages to take ``seat``: its occupant, then
+        the seats ``evict`` names (those that may leave now) until the blank pages suffice;
+        the pool's choice (``_free_pages``) does the rest. None: the occupant may not leave
+        yet, or the pool cannot free the pages now (KV in use holds them)."""
+        occupant = self.seats[seat]
+        if occupant is not None and not self.evictable(occupant, now):
+            return None
+        victims = [occupant] if occupant is not None else []
+        if self._blank(victims) >= pages:
+            return victims
+        for extra in (self.seats[s] for s in evict if 0 <= s < len(self.seats)):
+            if extra is None or extra in victims or not self.evictable(extra, now):
+                continue
+            if self._blank(victims) >= pages:
+                break
+            victims.append(extra)
+        idle = sum(c.pages for c in self._idle_adapters(now, victims))
+        cached = 0 if self.partitioned else len(self.blocks.idle_cached())
+        if self._blank(victims) + cached + idle < pages:
+            self.short_of_pages = True
+            return None  # the pool is full of KV in use: wait for requests to finish
+        return victims
 
     @property
     def partitioned(self) -> bool:
