@@ -1,13 +1,25 @@
-"""The flags of ``lora-guard bench``; the engine's are ``lora-guard serve``'s
-(``lora_guard.config.add_engine_flags``)."""
+"""The flags of ``lora-guard bench`` (the engine's are ``lora-guard serve``'s,
+``lora_guard.config.add_engine_flags``), and what they name: the seeds, each seed's trace, the
+model and adapters."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from lora_guard.workload.trace import SCENARIOS, WorkloadSpec
+from lora_guard.workload.scenarios import scenario
+from lora_guard.workload.trace import (
+    SCENARIOS,
+    TraceError,
+    TraceRequest,
+    WorkloadSpec,
+    make_trace,
+    read_trace,
+    write_trace,
+)
 
 SCHEMES = ("static", "on-demand", "lru", "lora-guard", "lora-guard-observe", "peft")
 FULL_REQUESTS = 200
@@ -240,3 +252,56 @@ def _seeds(text: str) -> list[int]:
 class _OneSeed(argparse.Action):
     def __call__(self, parser: Any, namespace: Any, value: Any, option: Any = None) -> None:
         setattr(namespace, self.dest, [value])
+
+
+def seeds_of(args: argparse.Namespace) -> list[int | None]:
+    """The seeds the run replays (None: the --trace file's one trace)."""
+    if args.trace:
+        return [None]
+    if args.seeds:
+        return list(args.seeds)
+    return [0] if args.quick or args.target else list(FULL_SEEDS)
+
+
+def trace_of(
+    args: argparse.Namespace, spec: WorkloadSpec, ids: list[str], seed: int | None
+) -> list[TraceRequest]:
+    """The trace a seed replays: --trace's, or one drawn from ``spec``; every adapter it names
+    served (``ids``); saved where --write-trace says."""
+    trace = read_trace(args.trace) if args.trace else make_trace(spec, ids)
+    describe = None if args.trace else scenario(spec.scenario).describe
+    if describe is not None:
+        print(f"{spec.scenario} workload: {describe(spec)}", file=sys.stderr, flush=True)
+    missing = sorted({r.adapter_id for r in trace if r.adapter_id} - set(ids))
+    if missing:
+        raise TraceError(f"the trace names adapters that are not served: {', '.join(missing)}")
+    if args.write_trace:
+        path = args.write_trace
+        if seed is not None and len(seeds_of(args)) > 1:
+            path = path.with_name(f"{path.stem}-seed{seed}{path.suffix}")
+        write_trace(trace, path)
+    return trace
+
+
+def model_and_spec(args: argparse.Namespace, scratch: Path) -> tuple[Path, Path, WorkloadSpec]:
+    """The model, the adapters and the workload the flags name (--quick: a tiny model made in
+    ``scratch``; no --model: the demo's)."""
+    spec = workload_spec(args)
+    if args.quick:
+        from lora_guard.demo.adapters import make_adapters
+        from lora_guard.demo.testing import make_tiny_llama
+
+        model = make_tiny_llama(scratch / "model", hidden_size=128, intermediate_size=256)
+        adapters = scratch / "adapters"
+        make_adapters(
+            model, adapters, n=QUICK_SPEC.adapters, ranks=(4, 8, 16), strength=0.5, prefix="quick"
+        )
+        return model, adapters, replace(QUICK_SPEC, scenario=args.scenario)
+    if args.model is None:
+        from lora_guard.demo.model import prepare_demo
+
+        demo = prepare_demo(log=lambda msg: print(msg, file=sys.stderr))
+        return demo.model_dir, args.adapter_dir or demo.adapter_dir, spec
+    if args.adapter_dir is None:
+        raise SystemExit("error: --adapter-dir is needed with --model")
+    return Path(args.model), args.adapter_dir, spec

@@ -12,20 +12,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from statistics import median_low
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
-from lora_guard.bench.arguments import FULL_SEEDS, QUICK_SPEC, SCHEMES, workload_spec
+from lora_guard.bench.arguments import (
+    SCHEMES,
+    model_and_spec,
+    seeds_of,
+    trace_of,
+    workload_spec,
+)
 from lora_guard.bench.capacity import (
     CAPACITY_BATCH,
     Capacity,
@@ -34,7 +38,8 @@ from lora_guard.bench.capacity import (
     measure_capacity,
 )
 from lora_guard.bench.compass import compass, compass_lines
-from lora_guard.bench.oracle import OracleRequest, oracle_tokens
+from lora_guard.bench.isolate import call_in_process
+from lora_guard.bench.oracle import oracle_mismatches, target_mismatches
 from lora_guard.bench.peer_env import PeerError
 from lora_guard.bench.peft_peer import replay_peft
 from lora_guard.bench.replay import (
@@ -48,18 +53,12 @@ from lora_guard.bench.target import replay_target
 from lora_guard.bench.vllm_peer import peer_python, replay_vllm
 from lora_guard.clock import monotonic
 from lora_guard.config import engine_names
-from lora_guard.workload.scenarios import scenario
-from lora_guard.workload.stats import median
+from lora_guard.workload.stats import describe_trace, median, trace_summary
 from lora_guard.workload.trace import (
     TraceError,
     TraceRequest,
     WorkloadSpec,
-    make_trace,
-    read_trace,
-    write_trace,
 )
-
-T = TypeVar("T")
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -108,7 +107,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 "seed": part.seed,
                 "turn": part.turn,
                 "order": part.order,
-                "workload": _workload(part.trace),
+                "workload": trace_summary(part.trace),
                 "schemes": one,
                 # how each peer was started (command line, environment) and its log
                 "peers": {name: run.peer for name, run in part.runs.items() if run.peer},
@@ -164,7 +163,7 @@ def _write(
 
 def _summaries(part: SeedRun) -> dict[str, dict[str, Any]]:
     seeds = None if part.seed is None else [part.seed]
-    adapters = _workload(part.trace)["adapters"]
+    adapters = trace_summary(part.trace)["adapters"]
     static = part.runs.get("static")
     return {
         name: summarize(run, part.mismatches.get(name), static, seeds, adapters)
@@ -198,18 +197,10 @@ class Bench:
     capacity: Capacity | None = None
 
 
-def _seeds(args: argparse.Namespace) -> list[int | None]:
-    if args.trace:
-        return [None]
-    if args.seeds:
-        return list(args.seeds)
-    return [0] if args.quick or args.target else list(FULL_SEEDS)
-
-
 def _in_process(
     args: argparse.Namespace, schemes: list[str], scratch: Path, started: float
 ) -> Bench:
-    model, adapter_dir, spec = _model_and_spec(args, scratch)
+    model, adapter_dir, spec = model_and_spec(args, scratch)
     ids = adapter_ids(adapter_dir)
     options = EngineOptions(
         model=str(model),
@@ -229,8 +220,8 @@ def _in_process(
     peers: dict[str, Path] = {}  # a peer's name: the interpreter that runs it
     for name in args.peer:  # every vLLM peer: one interpreter
         peers[name] = peer_python(args.peer_python, log=lambda msg: _progress(started, msg))
-    for seed in _seeds(args):
-        trace = _trace(args, spec if seed is None else replace(spec, seed=seed), ids, seed)
+    for seed in seeds_of(args):
+        trace = trace_of(args, spec if seed is None else replace(spec, seed=seed), ids, seed)
         used = {r.adapter_id for r in trace if r.adapter_id}
         budget = args.cold_loads_per_minute or max(len(used), 1)
         seed_options = replace(options, cold_loads_per_minute=budget)
@@ -238,7 +229,7 @@ def _in_process(
         static_id = popular[0][0] if popular else ids[0]
         what = "" if seed is None else f"seed {seed}: "
         seats = f"{options.max_loras} seats" if options.max_loras else "no seat cap"
-        _progress(started, f"{what}{_describe(trace)}; {seats}; static serves {static_id}")
+        _progress(started, f"{what}{describe_trace(trace)}; {seats}; static serves {static_id}")
         turns: list[SeedRun] = []
         for turn in range(args.turns):
             # the peer takes its turn in the rotation like every scheme
@@ -251,7 +242,7 @@ def _in_process(
             runs = {name: runs[name] for name in [*schemes, *peers]}
             turns.append(SeedRun(seed, trace, runs, {}, turn, order))
         _progress(started, f"{what}computing the oracle")
-        mismatches = _oracle_mismatches(
+        mismatches = oracle_mismatches(
             [t.runs for t in turns], trace, seed_options, static_id, isolated
         )
         for one, found in zip(turns, mismatches, strict=True):
@@ -282,7 +273,7 @@ def _rate(
     if args.trace:
         return spec, None
     _progress(started, f"measuring capacity: {CAPACITY_BATCH} base-model requests at once")
-    capacity = _call(isolated, measure_capacity, capacity_prompts(spec, ids), options)
+    capacity = call_in_process(isolated, measure_capacity, capacity_prompts(spec, ids), options)
     spec = replace(spec, rate=arrival_rate(spec, args.load, capacity))
     _progress(
         started,
@@ -305,11 +296,11 @@ def _replay(
     """One scheme, PEFT or a vLLM peer replaying ``trace``."""
     isolated = not args.quick
     if scheme == "peft":
-        return _call(isolated, replay_peft, trace, options)
+        return call_in_process(isolated, replay_peft, trace, options)
     if scheme in peers:
         log = scratch / f"{scheme}.log"
         return replay_vllm(trace, options, peers[scheme], args.peer_port, log, peer=scheme)
-    return _call(isolated, replay_scheme, scheme, trace, options, static_id)
+    return call_in_process(isolated, replay_scheme, scheme, trace, options, static_id)
 
 
 def _against_target(args: argparse.Namespace, started: float) -> Bench:
@@ -322,9 +313,9 @@ def _against_target(args: argparse.Namespace, started: float) -> Bench:
     spec = workload_spec(args)
     spec = replace(spec, rate=args.rate if args.rate is not None else WorkloadSpec().rate)
     parts = []
-    for seed in _seeds(args):
-        trace = _trace(args, spec if seed is None else replace(spec, seed=seed), ids, seed)
-        _progress(started, f"{_describe(trace)}; against {args.target}")
+    for seed in seeds_of(args):
+        trace = trace_of(args, spec if seed is None else replace(spec, seed=seed), ids, seed)
+        _progress(started, f"{describe_trace(trace)}; against {args.target}")
         run = replay_target(args.target, trace, args.max_loras, args.target_name, args.api_key)
         mismatches: dict[str, int] = {}
         if args.model is not None:
@@ -337,16 +328,7 @@ def _against_target(args: argparse.Namespace, started: float) -> Bench:
                 lora_dtype=args.lora_dtype,
                 device=args.device,
             )
-            wanted = [
-                OracleRequest(r.id, r.prompt, r.adapter_id, r.max_new_tokens, ignore_eos=False)
-                for r in trace
-            ]
-            oracle = _call(True, oracle_tokens, wanted, options)
-            mismatches[run.scheme] = sum(
-                1
-                for r in run.records
-                if r.id in oracle and r.error is None and r.tokens != oracle[r.id]
-            )
+            mismatches[run.scheme] = target_mismatches(run, trace, options)
         parts.append(SeedRun(seed, trace, {run.scheme: run}, mismatches))
     _progress(started, "done")
     return Bench(parts, {"target": args.target, "slots": args.max_loras}, spec.rate)
@@ -354,7 +336,7 @@ def _against_target(args: argparse.Namespace, started: float) -> Bench:
 
 def _workloads(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     """The workload over every seed: requests in all, the rest the median trace's figures."""
-    traces = [_workload(part.trace) for part in bench.parts]
+    traces = [trace_summary(part.trace) for part in bench.parts]
     capacity = bench.capacity
     return {
         "requests": sum(t["requests"] for t in traces),
@@ -370,128 +352,8 @@ def _workloads(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _trace(
-    args: argparse.Namespace, spec: WorkloadSpec, ids: list[str], seed: int | None
-) -> list[TraceRequest]:
-    trace = read_trace(args.trace) if args.trace else make_trace(spec, ids)
-    describe = None if args.trace else scenario(spec.scenario).describe
-    if describe is not None:
-        print(f"{spec.scenario} workload: {describe(spec)}", file=sys.stderr, flush=True)
-    missing = sorted({r.adapter_id for r in trace if r.adapter_id} - set(ids))
-    if missing:
-        raise TraceError(f"the trace names adapters that are not served: {', '.join(missing)}")
-    if args.write_trace:
-        path = args.write_trace
-        if seed is not None and len(_seeds(args)) > 1:
-            path = path.with_name(f"{path.stem}-seed{seed}{path.suffix}")
-        write_trace(trace, path)
-    return trace
-
-
 def _progress(started: float, what: str) -> None:
     print(f"[{monotonic() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
-
-
-def _model_and_spec(args: argparse.Namespace, scratch: Path) -> tuple[Path, Path, WorkloadSpec]:
-    spec = workload_spec(args)
-    if args.quick:
-        from lora_guard.demo.adapters import make_adapters
-        from lora_guard.demo.testing import make_tiny_llama
-
-        model = make_tiny_llama(scratch / "model", hidden_size=128, intermediate_size=256)
-        adapters = scratch / "adapters"
-        make_adapters(
-            model, adapters, n=QUICK_SPEC.adapters, ranks=(4, 8, 16), strength=0.5, prefix="quick"
-        )
-        return model, adapters, replace(QUICK_SPEC, scenario=args.scenario)
-    if args.model is None:
-        from lora_guard.demo.model import prepare_demo
-
-        demo = prepare_demo(log=lambda msg: print(msg, file=sys.stderr))
-        return demo.model_dir, args.adapter_dir or demo.adapter_dir, spec
-    if args.adapter_dir is None:
-        raise SystemExit("error: --adapter-dir is needed with --model")
-    return Path(args.model), args.adapter_dir, spec
-
-
-def _call(isolated: bool, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in a fresh process (its peak RSS is its own), or here (no RSS figure)."""
-    if not isolated:
-        result = fn(*args)
-        if isinstance(result, SchemeRun):
-            result.peak_rss = None
-        return result
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(fn, *args).result()
-
-
-def _oracle_mismatches(
-    turns: list[dict[str, SchemeRun]],
-    trace: list[TraceRequest],
-    options: EngineOptions,
-    static_id: str,
-    isolated: bool,
-) -> list[dict[str, int]]:
-    """Per turn and scheme, the requests whose tokens differ from the same request run alone
-    (one oracle for every turn of the trace)."""
-    requests: dict[str, OracleRequest] = {}
-    for name in {name for runs in turns for name in runs}:
-        served = static_id if name == "static" else None
-        for request in trace:
-            adapter = served or request.adapter_id
-            key = f"{request.id}@{adapter}"
-            requests[key] = OracleRequest(key, request.prompt, adapter, request.max_new_tokens)
-    oracle = _call(isolated, oracle_tokens, list(requests.values()), options)
-
-    def differing() -> list[dict[str, list[str]]]:
-        return [
-            {name: _differing(run, oracle, static_id) for name, run in runs.items()}
-            for runs in turns
-        ]
-
-    found = differing()
-    doubtful = sorted({key for by_scheme in found for keys in by_scheme.values() for key in keys})
-    if doubtful:
-        print(f"running {len(doubtful)} requests alone to confirm ...", file=sys.stderr)
-        alone = _call(isolated, oracle_tokens, [requests[k] for k in doubtful], options, True)
-        oracle.update(alone)
-        found = differing()
-    return [{name: len(keys) for name, keys in by_scheme.items()} for by_scheme in found]
-
-
-def _differing(run: SchemeRun, oracle: dict[str, list[int]], static_id: str) -> list[str]:
-    differing = []
-    for record in run.records:
-        if record.error is not None:
-            continue
-        adapter = static_id if run.scheme == "static" else record.adapter_id
-        key = f"{record.id}@{adapter}"
-        if key in oracle and record.tokens != oracle[key]:
-            differing.append(key)
-    return differing
-
-
-def _describe(trace: list[TraceRequest]) -> str:
-    w = _workload(trace)
-    return (
-        f"trace: {w['requests']} requests over {w['duration_s']:.0f} s, {w['adapters']} adapters, "
-        f"{w['tenants']} tenants, mean max_new_tokens {w['mean_max_new_tokens']:.0f}"
-    )
-
-
-def _workload(trace: list[TraceRequest]) -> dict[str, Any]:
-    return {
-        "requests": len(trace),
-        "duration_s": trace[-1].time,
-        "adapters": len({r.adapter_id for r in trace if r.adapter_id}),
-        "tenants": len({r.tenant for r in trace}),
-        "mean_max_new_tokens": _mean([r.max_new_tokens for r in trace]),
-    }
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
