@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 
 from lora_guard.demo.adapters import make_adapters
-from lora_guard.demo.testing import metric_samples, start_server
+from lora_guard.demo.scrape import metric_samples
+from lora_guard.demo.testing import start_server
 
 LONG_TOKENS = 480
 QUANTUM_MS = 10

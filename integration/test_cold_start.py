@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from lora_guard.demo.adapters import make_adapters
-from lora_guard.demo.testing import engine_greedy, metric, start_server
+from lora_guard.demo.scrape import metric
+from lora_guard.demo.testing import engine_greedy, start_server
 
 PROMPT = "The capital of France is"
 NEW_TOKENS = 6

@@ -14,7 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from lora_guard.demo.testing import ServerProcess, eventually, metric, start_server
+from lora_guard.demo.scrape import metric
+from lora_guard.demo.testing import ServerProcess, eventually, start_server
 
 MAX_CONCURRENT = 4
 ServesCorrectly = Callable[..., None]

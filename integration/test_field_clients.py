@@ -20,7 +20,8 @@ import pytest
 
 from lora_guard.bench.peer_env import PEERS, VLLM_BENCH_SERVE, PeerEnv
 from lora_guard.demo.model import prepare_demo
-from lora_guard.demo.testing import ServerProcess, metric, start_server
+from lora_guard.demo.scrape import metric
+from lora_guard.demo.testing import ServerProcess, start_server
 
 pytestmark = pytest.mark.clients
 

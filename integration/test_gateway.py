@@ -10,13 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lora_guard.demo.testing import (
-    ServerProcess,
-    eventually,
-    metric,
-    metric_samples,
-    start_server,
-)
+from lora_guard.demo.scrape import metric, metric_samples
+from lora_guard.demo.testing import ServerProcess, eventually, start_server
 
 
 @pytest.fixture(scope="module")

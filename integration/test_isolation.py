@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lora_guard.demo.testing import ServerProcess, metric, start_server
+from lora_guard.demo.scrape import metric
+from lora_guard.demo.testing import ServerProcess, start_server
 
 KEYS = """
 [keys.alpha]

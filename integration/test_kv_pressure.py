@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lora_guard.demo.testing import ServerProcess, engine_greedy, metric, start_server
+from lora_guard.demo.scrape import metric
+from lora_guard.demo.testing import ServerProcess, engine_greedy, start_server
 
 POOL_TOKENS = 256  # 64 blocks of 4 tokens; a block of the tiny model is 2 KiB
 REQUESTS = [

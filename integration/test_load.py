@@ -22,14 +22,8 @@ import httpx
 import pytest
 
 from lora_guard.demo.adapters import make_adapters
-from lora_guard.demo.testing import (
-    ServerProcess,
-    engine_greedy,
-    eventually,
-    metric,
-    metric_samples,
-    start_server,
-)
+from lora_guard.demo.scrape import metric, metric_samples
+from lora_guard.demo.testing import ServerProcess, engine_greedy, eventually, start_server
 
 CLIENTS = 8
 DURATION_S = 20.0

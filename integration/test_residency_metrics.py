@@ -16,17 +16,16 @@ import httpx
 import pytest
 
 from lora_guard.demo.adapters import make_adapters
-from lora_guard.demo.testing import (
+from lora_guard.demo.scrape import (
     CPU,
     EVICTABLE,
     FREE_SLOT,
     GPU,
     SATURATED,
-    ServerProcess,
     metric_samples,
     scorer_tier,
-    start_server,
 )
+from lora_guard.demo.testing import ServerProcess, start_server
 
 SEATS = 2
 

@@ -29,15 +29,8 @@ import httpx
 import pytest
 
 from lora_guard.demo.adapters import make_adapters
-from lora_guard.demo.testing import (
-    CPU,
-    EVICTABLE,
-    GPU,
-    metric,
-    metric_samples,
-    reference_greedy,
-    scorer_tier,
-)
+from lora_guard.demo.scrape import CPU, EVICTABLE, GPU, metric, metric_samples, scorer_tier
+from lora_guard.demo.testing import reference_greedy
 
 pytestmark = pytest.mark.vllm
 

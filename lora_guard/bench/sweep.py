@@ -51,7 +51,7 @@ from lora_guard.bench.sweep_report import (
 from lora_guard.bench.systems import SYSTEMS, System, make_system
 from lora_guard.bench.vllm_peer import vllm_mode
 from lora_guard.clock import monotonic
-from lora_guard.demo.testing import metric_samples
+from lora_guard.demo.scrape import metric_samples
 from lora_guard.workload.stats import percentile
 from lora_guard.workload.trace import TraceRequest, WorkloadSpec, fresh_trace, mean_rate
 
