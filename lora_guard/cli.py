@@ -197,9 +197,9 @@ def _serve(argv: list[str]) -> int:
     except SettingsError as exc:
         print(f"lora-guard serve: error: {exc}", file=sys.stderr)
         return 2
-    from lora_guard.engine.config import ConfigError
     from lora_guard.engine.lora import AdapterError
     from lora_guard.engine.spec import ModelLoadError
+    from lora_guard.engine.values import ConfigError
     from lora_guard.plugins import PluginError
     from lora_guard.server.serve import StartError, engine_for, serve
 

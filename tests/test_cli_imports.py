@@ -84,7 +84,7 @@ def test_engine_config_imports_no_torch() -> None:
         "import sys, lora_guard.config, lora_guard.settings_docs, lora_guard.engine as e;"
         "lora_guard.settings_docs.settings_markdown(); lora_guard.settings_docs.llm_markdown();"
         "assert 'torch' not in sys.modules, 'torch imported';"
-        "assert e.ConfigError.__module__ == 'lora_guard.engine.config';"
+        "assert e.ConfigError.__module__ == 'lora_guard.engine.values';"
         "assert 'torch' not in sys.modules, 'torch imported by ConfigError';"
         "assert e.LLM.__name__ == 'LLM' and 'torch' in sys.modules;"
         "assert set(e.__all__) <= set(dir(e))"

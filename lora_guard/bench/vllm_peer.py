@@ -174,7 +174,7 @@ def vllm_launch(
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown core layout {layout!r}; choose from {', '.join(LAYOUTS)}")
-    from lora_guard.engine.config import parse_memory
+    from lora_guard.engine.values import parse_memory
 
     command = [
         str(python),

@@ -23,11 +23,8 @@ from lora_guard.config.table import (
     all_settings,
     engine_setting,
 )
-from lora_guard.engine.config import (
-    resolve_device,
-    resolve_dtype,
-    user_fields,
-)
+from lora_guard.engine.config import user_fields
+from lora_guard.engine.values import resolve_device, resolve_dtype
 from lora_guard.plugins.manager import (
     Hooks,
 )

@@ -12,12 +12,8 @@ from typing import Any
 # Neither torch nor the engine is imported here: the adapter registry (which loads torch) is where
 # an adapter is named or a folder scanned, torch in engine_names. `lora-guard --help`, the other
 # settings' checks and the docs' tables start at once.
-from lora_guard.engine.config import (
-    at_least,
-    describe,
-    text,
-    user_fields,
-)
+from lora_guard.engine.config import describe, user_fields
+from lora_guard.engine.values import at_least, text
 from lora_guard.plugins.manager import (
     DEFAULT_POLICIES,
     DISABLE_AUTOLOAD_ENV,

@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lora_guard.engine.config import ConfigError, EngineConfig, parse_memory
+    from lora_guard.engine.config import EngineConfig
     from lora_guard.engine.errors import RequestError, UnknownAdapterError
     from lora_guard.engine.llm import LLM
     from lora_guard.engine.llm_engine import LLMEngine
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from lora_guard.engine.outputs import RequestOutput
     from lora_guard.engine.sampling import InvalidParams, SamplingParams
     from lora_guard.engine.spec import ModelLoadError
+    from lora_guard.engine.values import ConfigError, parse_memory
 
 #: Each public name and the module it comes from.
 _HOMES = {

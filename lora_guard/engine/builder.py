@@ -9,7 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from lora_guard.engine.config import ConfigError, EngineConfig
+from lora_guard.engine.config import EngineConfig
 from lora_guard.engine.kv_cache import BlockManager
 from lora_guard.engine.linear import blocked_layout_available
 from lora_guard.engine.llm_engine import LLMEngine
@@ -27,6 +27,7 @@ from lora_guard.engine.request_check import RequestCheck
 from lora_guard.engine.runner import ModelRunner
 from lora_guard.engine.scheduler import Scheduler
 from lora_guard.engine.spec import ModelSpec
+from lora_guard.engine.values import ConfigError
 from lora_guard.plugins.manager import Hooks, make_plugin_manager
 from lora_guard.plugins.options import id_list
 

@@ -9,8 +9,8 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import TextIO
 
-from lora_guard.engine.config import ConfigError
 from lora_guard.engine.sequence import Sequence
+from lora_guard.engine.values import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lora_guard.engine.config import DEFAULT_CACHE_SHARE, EngineConfig, free_memory
+from lora_guard.engine.config import EngineConfig
+from lora_guard.engine.values import DEFAULT_CACHE_SHARE, free_memory
 
 GiB, MiB = 2**30, 2**20
 

@@ -61,10 +61,10 @@ def engine_for(settings: Any) -> tuple[LLMEngine, KeyRing | None, list[Path]]:
     """The engine, API keys and adapter folders of ``lora-guard serve`` settings
     (``ServeSettings``): the demo model and its adapters when no ``--model`` is given."""
     from lora_guard.engine.builder import build_engine
-    from lora_guard.engine.config import ConfigError
     from lora_guard.engine.lora import AdapterError
     from lora_guard.engine.spec import ModelLoadError
     from lora_guard.engine.threads import serial_thread
+    from lora_guard.engine.values import ConfigError
     from lora_guard.plugins import PluginError
 
     # The engine steps on its own thread (AsyncEngine); this one, which builds it, stays serial so

@@ -16,7 +16,7 @@ from lora_guard.bench.vllm_peer import (
     vllm_launch,
     vllm_mode,
 )
-from lora_guard.engine.config import parse_memory
+from lora_guard.engine.values import parse_memory
 
 OPTIONS = EngineOptions(
     model="/models/m",

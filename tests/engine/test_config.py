@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_guard.engine.config import ConfigError, EngineConfig, parse_memory
+from lora_guard.engine.config import EngineConfig
+from lora_guard.engine.values import ConfigError, parse_memory
 
 
 @pytest.mark.parametrize(

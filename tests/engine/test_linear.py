@@ -10,10 +10,10 @@ import torch
 
 from lora_guard import LLM, SamplingParams
 from lora_guard.demo.testing import AdapterFactory
-from lora_guard.engine.config import ConfigError
 from lora_guard.engine.linear import Linear, blocked_layout_available
 from lora_guard.engine.lora import read_adapter
 from lora_guard.engine.model import LlamaModel
+from lora_guard.engine.values import ConfigError
 
 CPU = torch.device("cpu")
 needs_blocked = pytest.mark.skipif(

@@ -12,8 +12,8 @@ import pytest
 from lora_guard import LLM, SamplingParams
 from lora_guard.bench.virtual.replay import VirtualClock
 from lora_guard.demo.testing import AdapterFactory
-from lora_guard.engine.config import ConfigError
 from lora_guard.engine.cost_meter import Line
+from lora_guard.engine.values import ConfigError
 from lora_guard.plugins import hookimpl
 from lora_guard.plugins.eviction import ADAPTER, PREFIX, Candidate, choose, lru
 

@@ -11,11 +11,12 @@ import torch
 
 from lora_guard.demo.testing import AdapterFactory
 from lora_guard.engine import LLM
-from lora_guard.engine.config import DEFAULT_CACHE_SHARE, EngineConfig, free_memory
+from lora_guard.engine.config import EngineConfig
 from lora_guard.engine.lora.checkpoint import layer_elements
 from lora_guard.engine.lora.pool import CachePool, zeroed
 from lora_guard.engine.pool_size import size_pool
 from lora_guard.engine.sampling import SamplingParams
+from lora_guard.engine.values import DEFAULT_CACHE_SHARE, free_memory
 
 BLOCK = 4
 

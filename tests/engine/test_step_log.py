@@ -12,8 +12,8 @@ import pytest
 
 from lora_guard.demo.testing import AdapterFactory
 from lora_guard.engine import LLM, SamplingParams
-from lora_guard.engine.config import ConfigError
 from lora_guard.engine.outputs import STEP_LOG_CHECK_EVERY, StepLog, StepRecord
+from lora_guard.engine.values import ConfigError
 from lora_guard.simulate_costs import MIB, Costs, fit_steps, read_step_log, with_step_fit
 
 
