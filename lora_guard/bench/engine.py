@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
 import math
 import statistics
@@ -30,12 +29,11 @@ from typing import Any
 
 import torch
 
-from lora_guard.clock import timer
+from lora_guard.bench.engine_runs import batch_prompts, engine_run, matmul_peak_gflops, peft_run
 from lora_guard.config import add_engine_flags, engine_names
 from lora_guard.engine import LLM, SamplingParams
 from lora_guard.engine.lora.registry import scan_adapter_dir
 
-_RUNS = itertools.count()
 TURNS = 3  # base and mixed runs of each batch, in turn, within one engine
 
 
@@ -69,98 +67,6 @@ class Row:
         if self.speedup_runs:
             return statistics.median(self.speedup_runs)
         return self.engine_mixed_tokens_per_s / self.peft_mixed_tokens_per_s
-
-
-def matmul_peak_gflops(dtype: torch.dtype, device: torch.device, n: int = 2048) -> float:
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    best = float("inf")
-    for _ in range(5):
-        _sync(device)
-        started = timer()
-        a @ b
-        _sync(device)
-        best = min(best, timer() - started)
-    return 2 * n**3 / best / 1e9
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _prompts(tokenizer: Any, batch: int) -> list[list[int]]:
-    # About 32 tokens each, different per request so no prefix is shared.
-    return [
-        tokenizer.encode(
-            f"Request {i}: please write a short story about the number {i}, a ship, "
-            f"a lighthouse keeper and the sea at night, in plain words."
-        )
-        for i in range(batch)
-    ]
-
-
-def engine_run(
-    llm: LLM, prompts: list[list[int]], adapters: list[str | None], new_tokens: int
-) -> tuple[float, float, float]:
-    """Median decode step time (ms), generated tokens per second and the prefill's time (ms:
-    the steps before every request decodes) for one batch."""
-    engine = llm.engine
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    tag = next(_RUNS)  # request ids new to the engine on every run
-    for i, (prompt, adapter) in enumerate(zip(prompts, adapters, strict=True)):
-        engine.add_request(f"bench-{tag}-{i}", prompt, params, adapter)
-    decode_steps: list[float] = []
-    prefill = 0.0
-    started = timer()
-    while engine.has_unfinished_requests():
-        step_started = timer()
-        computed_before = sum(s.num_computed_tokens for s in engine.scheduler.running)
-        engine.step()
-        _sync(engine.config.torch_device)
-        elapsed = timer() - step_started
-        running = engine.scheduler.running
-        if running and len(running) == len(prompts) and computed_before > 0:
-            decode_steps.append(elapsed)
-        elif not decode_steps:
-            prefill += elapsed
-    total = timer() - started
-    if not decode_steps:
-        raise SystemExit(
-            f"no step decoded all {len(prompts)} requests at once: "
-            f"raise --new-tokens (now {new_tokens})"
-        )
-    return statistics.median(decode_steps) * 1000, len(prompts) * new_tokens / total, prefill * 1000
-
-
-def peft_run(
-    model: Any, prompts: list[list[int]], adapters: list[str], new_tokens: int, pad_id: int
-) -> tuple[float, float, float]:
-    """Decode step time (ms), tokens/s and prefill time (ms) of transformers + PEFT ``generate``
-    on the batch."""
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-
-    def generate(n: int) -> float:
-        started = timer()
-        with torch.no_grad():
-            model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                adapter_names=adapters,
-                pad_token_id=pad_id,
-            )
-        return timer() - started
-
-    generate(2)  # warm-up: kernels made for these shapes on first use are not a step's cost
-    first = generate(1)
-    full = generate(new_tokens)
-    decode_ms = (full - first) / (new_tokens - 1) * 1000
-    return decode_ms, len(prompts) * new_tokens / full, first * 1000
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,10 +228,12 @@ def _engine_figures(
         n: engine.adapter_page_bytes(engine.read_adapter(n, args.adapter_dir / n)) for n in names
     }
     # Warm-up: every adapter read and resident before anything is timed.
-    llm.generate(_prompts(tokenizer, len(names)), SamplingParams(max_new_tokens=4), list(names))
+    llm.generate(
+        batch_prompts(tokenizer, len(names)), SamplingParams(max_new_tokens=4), list(names)
+    )
     figures = {}
     for batch in batches:
-        prompts = _prompts(tokenizer, batch)
+        prompts = batch_prompts(tokenizer, batch)
         mixed = [names[i % len(names)] for i in range(batch)]
         # Base and mixed batches in turn: a drift of the machine's speed reaches both.
         base, mixed_runs = [], []
@@ -369,7 +277,7 @@ def _peft_figures(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     figures = {}
     for batch in batches:
-        prompts = _prompts(tokenizer, batch)
+        prompts = batch_prompts(tokenizer, batch)
         mixed = [names[i % len(names)] for i in range(batch)]
         base_ms, _, _ = peft_run(model, prompts, ["__base__"] * batch, args.new_tokens, pad)
         figures[batch] = (base_ms, *peft_run(model, prompts, mixed, args.new_tokens, pad))
