@@ -123,8 +123,7 @@ def simulate(
     stats_tick_s: float = 0.0,
 ) -> SimResult:
     """Replay ``trace`` on ``replicas`` replicas of ``slots`` adapter seats behind the router
-    ``router_name``. Every replica starts with ``start_resident`` in its pool (the last ones
-    if they are more than the seats) and ``start_host`` in host memory.
+    ``router_name``, each starting as :meth:`Replica.start_with` says.
 
     ``clients`` 0: each request is sent at its time. ``clients`` > 0: a closed loop, that many
     clients each sending the trace's next request once its last one is answered (the trace's
