@@ -108,6 +108,28 @@ def independent_optimum_hit_rate(
     return hits / len(trace)
 
 
+def learned_frequency_hit_rate(trace: Sequence[object], slots: int) -> float:
+    """The hit rate of a policy that learns the popularities as it goes: every request counted
+    from the start (no window), the adapter counted least often leaving (least recent first
+    among ties), one request at a time. What an online policy without the true popularities
+    reaches on a trace of independent requests; :func:`independent_optimum_hit_rate` is above
+    it in expectation."""
+    counts: Counter[object] = Counter()
+    last: dict[object, int] = {}
+    resident: set[object] = set()
+    hits = 0
+    for i, adapter in enumerate(trace):
+        counts[adapter] += 1
+        if adapter in resident:
+            hits += 1
+        else:
+            if len(resident) >= slots:
+                resident.remove(min(resident, key=lambda a: (counts[a], last[a])))
+            resident.add(adapter)
+        last[adapter] = i
+    return hits / len(trace) if trace else 0.0
+
+
 def compulsory_hit_bound(trace: Sequence[object], start: Collection[object] = ()) -> float:
     """The hit rate with only compulsory misses: each adapter not resident at the start misses
     once, whatever the slots (1.0 for an empty trace)."""
