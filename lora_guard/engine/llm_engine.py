@@ -19,8 +19,9 @@ from lora_guard.engine.queries import EngineQueries
 from lora_guard.engine.request_check import RequestCheck
 from lora_guard.engine.runner import ModelRunner, StepResult
 from lora_guard.engine.sampling import SamplingParams
-from lora_guard.engine.scheduler import Scheduler, SchedulerOutput
+from lora_guard.engine.scheduler import Scheduler
 from lora_guard.engine.sequence import FinishReason, Sequence
+from lora_guard.engine.step_plan import SchedulerOutput
 from lora_guard.engine.tokens import encode_text, eos_token_ids
 from lora_guard.plugins.manager import Hooks
 

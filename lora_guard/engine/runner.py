@@ -12,8 +12,8 @@ from lora_guard.engine.lora.compute import LoraBatch, LoraSegment
 from lora_guard.engine.lora.pool import CachePool
 from lora_guard.engine.model import AttentionBatch, LlamaModel
 from lora_guard.engine.sampling import SamplerInput, sample
-from lora_guard.engine.scheduler import SchedulerOutput
 from lora_guard.engine.sequence import Sequence
+from lora_guard.engine.step_plan import SchedulerOutput
 
 
 @dataclass(slots=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from lora_guard.clock import monotonic
@@ -26,50 +25,10 @@ from lora_guard.engine.lora.checkpoint import AdapterError
 from lora_guard.engine.lora.residency import Resident
 from lora_guard.engine.lora.tiers import Lookup, Need, Residency
 from lora_guard.engine.sequence import CacheScope, Sequence, Status
+from lora_guard.engine.step_plan import Failure, ScheduledSeq, SchedulerOutput
 from lora_guard.plugins.decisions import Defer, Load, Reject
 from lora_guard.plugins.manager import Hooks
 from lora_guard.plugins.state import EngineState, steps_left
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-    adapter: Resident | None = None  # the adapter weights it computes with in this step
-
-
-@dataclass(slots=True)
-class Failure:
-    """A request the scheduler could not serve; ``retry_after`` is set for a busy answer."""
-
-    seq: Sequence
-    reason: str
-    retry_after: float | None = None
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    failed: list[Failure] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # KV blocks to copy, (from, to)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    def prefill_tokens(self) -> int:
-        """Tokens of prompts computed in the step: all but decodes' (ask before it advances)."""
-        return sum(
-            s.num_new_tokens
-            for s in self.scheduled
-            if s.seq.num_computed_tokens + 1 < len(s.seq.token_ids)
-        )
-
-    def adapter_bytes(self) -> list[int]:
-        """Bytes of each distinct adapter the step computes with."""
-        adapters = {id(s.adapter): s.adapter.layout.nbytes for s in self.scheduled if s.adapter}
-        return list(adapters.values())
 
 
 class Scheduler:
