@@ -125,12 +125,11 @@ def simulate(
     """Replay ``trace`` on ``replicas`` replicas of ``slots`` adapter seats behind the router
     ``router_name``, each starting as :meth:`Replica.start_with` says.
 
-    ``clients`` 0: each request is sent at its time. ``clients`` > 0: a closed loop, that many
-    clients each sending the trace's next request once its last one is answered (the trace's
-    times unused), the first ones at 0. ``overhead_ms``: each request's time outside the engine
-    (the client's HTTP, the router, the hops there and back), half before it reaches its
-    replica, half after its last token; latencies and TTFT are from its sending to its client.
-    ``spread_queue``: the ``lora-guard`` router's (``AffinityRanker``'s). ``stats_period_s``,
+    ``clients`` 0: each request is sent at its time; N > 0: a closed loop of N clients, each
+    sending the trace's next request once its last is answered, the first ones at 0.
+    ``overhead_ms``: each request's time outside the engine (HTTP, the router, the hops), half
+    before it reaches its replica, half after its last token; latencies and TTFT are from its
+    sending to its client. ``spread_queue``: the ``lora-guard`` router's. ``stats_period_s``,
     ``stats_tick_s``: how the replicas report their pools (``Reports``)."""
     rng = random.Random(seed)
     events = Events()
@@ -146,8 +145,9 @@ def simulate(
 
     fleet = Fleet([], events, finished)
     for i in range(replicas):
-        replica = Replica(f"r{i}", slots, max_num_seqs, costs, quantum_s, host_slots)
-        replica.max_batch_tokens = max_batch_tokens
+        replica = Replica(
+            f"r{i}", slots, max_num_seqs, costs, quantum_s, host_slots, max_batch_tokens
+        )
         replica.start_with(start_resident, start_host)
         fleet.replicas.append(replica)
     router = make_router(router_name, rng, spread_queue)
