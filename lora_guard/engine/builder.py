@@ -1,6 +1,7 @@
 """From settings to an engine: makes each part and hands it to its owner. The runner gets the
-model and the cache pool, the residency manager the adapters, the scheduler the block manager and
-the residency manager, the engine the scheduler and the runner."""
+model and the cache pool's memory, the residency manager the adapters, the scheduler the page pool
+(``page_pool.py``: the pool's pages, KV blocks and adapter runs alike) and the residency manager,
+the engine the scheduler and the runner."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from lora_guard.engine.lora.registry import AdapterRegistry
 from lora_guard.engine.lora.residency import ResidencyManager
 from lora_guard.engine.lora.tiers import Residency
 from lora_guard.engine.model import LlamaModel
+from lora_guard.engine.page_pool import PagePool
 from lora_guard.engine.pool_size import size_pool
 from lora_guard.engine.request_check import RequestCheck
 from lora_guard.engine.runner import ModelRunner
@@ -114,9 +116,10 @@ def engine_from_config(
         clock=config.clock,
         kv_pages=num_pages - adapter_pages,
     )
-    residency = _residency(config, pool, blocks, registry, runner, hooks, spec)
+    pages = PagePool(pool, blocks)
+    residency = _residency(config, pages, registry, runner, hooks, spec)
     scheduler = Scheduler(
-        blocks,
+        pages,
         residency,
         hooks,
         model_id,
@@ -191,8 +194,7 @@ def _pool_pages(
 
 def _residency(
     config: EngineConfig,
-    pool: CachePool,
-    blocks: BlockManager,
+    pages: PagePool,
     registry: AdapterRegistry,
     runner: ModelRunner,
     hooks: Hooks,
@@ -201,7 +203,6 @@ def _residency(
     """Which adapters the steps compute with: pages in the pool, or weights merged (with a
     static adapter merged for good)."""
     tiers = (
-        blocks,
         HostCache(config.max_cpu_loras),
         AdapterLoader(spec, config.max_lora_rank, config.torch_lora_dtype),
         registry,
@@ -209,8 +210,12 @@ def _residency(
     )
     if config.lora_mode != "merged":
         quantum_s = config.residency_quantum_ms / 1000
-        return ResidencyManager(pool, *tiers, events=hooks, quantum_s=quantum_s, clock=config.clock)
-    residency = MergedResidency(*tiers, merge=runner.merge, events=hooks, clock=config.clock)
+        return ResidencyManager(
+            pages, *tiers, events=hooks, quantum_s=quantum_s, clock=config.clock
+        )
+    residency = MergedResidency(
+        pages.blocks, *tiers, merge=runner.merge, events=hooks, clock=config.clock
+    )
     if config.static_adapter is not None:
         merge_static(residency, config.static_adapter, spec, config)
     return residency

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from lora_guard.engine.lora.checkpoint import LoRAAdapter
-from lora_guard.engine.lora.compute import LoraBatch, LoraSegment
-from lora_guard.engine.lora.pool import CachePool
+from lora_guard.engine.lora.compute import KernelPlans, LoraBatch, LoraSegment
+from lora_guard.engine.lora.pool import CachePool, LayerWeights
 from lora_guard.engine.model import AttentionBatch, LlamaModel
 from lora_guard.engine.sampling import SamplerInput, sample
 from lora_guard.engine.sequence import Sequence
@@ -38,6 +38,7 @@ class ModelRunner:
         self.block_size, self.lora_mode = pool.block_size, lora_mode
         self.merge_for_good = merge_for_good  # the static baseline: no unmerge, no copy kept
         self.device = model.device
+        self.plans = KernelPlans()  # the kernel's plan of each adapter's weights in the pool
         self.eos_token_ids: frozenset[int] = frozenset()  # the engine's, for ``min_tokens``
 
     def merge(self, adapter: LoRAAdapter | None) -> None:
@@ -61,6 +62,9 @@ class ModelRunner:
         if len(seq.output_token_ids) >= params.min_tokens:
             return ()
         return tuple(sorted(self.eos_token_ids | set(params.stop_token_ids)))
+
+    def _plan_of(self, layers: list[LayerWeights]) -> torch.Tensor | None:
+        return self.plans.of(layers) if self.lora_mode == "kernel" else None
 
     def _forward(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
         # Sequences under one adapter sit next to each other, so each adapter's tokens are one
@@ -93,7 +97,7 @@ class ModelRunner:
                 if segments and segments[-1].layers is item.adapter.layers:
                     segments[-1].end = start + n
                 else:
-                    where = item.adapter.plan if self.lora_mode == "kernel" else None
+                    where = self._plan_of(item.adapter.layers)
                     segments.append(LoraSegment(start, start + n, item.adapter.layers, where))
             if ctx == len(seq.token_ids):
                 logits_rows.append(start + n - 1)

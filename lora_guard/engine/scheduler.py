@@ -8,9 +8,10 @@ KV kept. Then waiting sequences whose adapter is resident are admitted while the
 sequence cap and the KV pool allow. When blocks run out, the most recently admitted running
 sequence is preempted: its blocks are freed and it is recomputed later.
 
-The scheduler owns the block manager and the adapters' residency: it binds each sequence's
-prefix-cache namespace (``lora_guard_cache_namespace``) and decides on cached blocks computed
-under other weights (``lora_guard_cache_reuse``).
+The scheduler owns the page pool (KV blocks and adapter runs, ``page_pool.py``) and the adapters'
+residency, which places adapters in the pool. It binds each sequence's prefix-cache namespace
+(``lora_guard_cache_namespace``) and decides on cached blocks computed under other weights
+(``lora_guard_cache_reuse``).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from collections.abc import Callable
 from types import MappingProxyType
 
 from lora_guard.clock import monotonic
-from lora_guard.engine.kv_cache import Block, BlockManager
+from lora_guard.engine.kv_cache import Block
 from lora_guard.engine.lora.checkpoint import AdapterError
-from lora_guard.engine.lora.residency import Resident
+from lora_guard.engine.lora.seats import Resident
 from lora_guard.engine.lora.tiers import Lookup, Need, Residency
+from lora_guard.engine.page_pool import PagePool
 from lora_guard.engine.sequence import CacheScope, Sequence, Status
 from lora_guard.engine.step_plan import Failure, ScheduledSeq, SchedulerOutput
 from lora_guard.plugins.decisions import Defer, Load, Reject
@@ -34,7 +36,7 @@ from lora_guard.plugins.state import EngineState, steps_left
 class Scheduler:
     def __init__(
         self,
-        blocks: BlockManager,
+        pages: PagePool,
         adapters: Residency,
         hooks: Hooks,
         model_id: str,
@@ -44,7 +46,8 @@ class Scheduler:
         page_bytes: int = 0,
         clock: Callable[[], float] = monotonic,
     ) -> None:
-        self.blocks, self.adapters, self.hooks, self.model_id = blocks, adapters, hooks, model_id
+        self.pages, self.blocks = pages, pages.blocks  # KV blocks and adapter runs; the blocks
+        self.adapters, self.hooks, self.model_id = adapters, hooks, model_id
         self.reject_when_busy, self.page_bytes, self.clock = reject_when_busy, page_bytes, clock
         self.max_batch_tokens, self.max_num_seqs = max_batch_tokens, max_num_seqs
         self.waiting: deque[Sequence] = deque()

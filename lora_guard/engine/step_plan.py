@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lora_guard.engine.lora.residency import Resident
+from lora_guard.engine.lora.seats import Resident
 from lora_guard.engine.sequence import Sequence
 
 

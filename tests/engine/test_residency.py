@@ -50,8 +50,10 @@ def check_pool(engine: LLMEngine) -> None:
     for first, n in runs:
         assert first == at, f"a hole or an overlap at page {at}: {runs}"
         at += n
-    assert at == residency.top
-    assert blocks.reserved == set(range(residency.top))
+    pages = engine.scheduler.pages
+    assert at == pages.top
+    assert sorted((r.first_page, r.num_pages) for r in pages.runs) == runs
+    assert blocks.reserved == set(range(pages.top))
     for seq in engine.scheduler.running:
         assert not set(seq.block_table) & blocks.reserved, "a KV block sits in adapter pages"
     used = blocks.num_blocks - blocks.num_free_blocks - len(blocks.reserved)

@@ -220,7 +220,7 @@ def test_guard_policies_keep_their_promises(
     assert len(recorder.thrash_kv_shares) <= knob["cold_loads_per_minute"]
     assert all(w <= knob["low_watermark"] for w in recorder.thrash_kv_shares)
     pool = engine.blocks
-    assert len(pool.reserved) == engine.adapters.top <= pool.num_blocks
+    assert len(pool.reserved) == engine.scheduler.pages.top <= pool.num_blocks
     assert engine.blocks.stats.conflicts == 0
     assert recorder.max_resident_wait <= 16 + 2, "a request with a resident adapter starved"
     engine.check_no_leaks()

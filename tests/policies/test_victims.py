@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from lora_guard.engine.kv_cache import BlockManager
 from lora_guard.engine.lora.loader import HostCache
 from lora_guard.engine.lora.registry import AdapterRegistry
-from lora_guard.engine.lora.residency import ResidencyManager, Resident
+from lora_guard.engine.lora.residency import ResidencyManager
+from lora_guard.engine.lora.seats import Resident
+from lora_guard.engine.page_pool import AdapterRun, PagePool
 from lora_guard.plugins.eviction import ResidentView, eviction_order, kv_order, may_leave
 from lora_guard.simulate.fleet import Events, Fleet, Replica, Seat
 from lora_guard.simulate_costs import Costs
@@ -30,9 +32,9 @@ residents = st.lists(
 def engine_victim(entries: list[tuple[float, float, int]]) -> str | None:
     """The adapter the residency manager would evict for a seat, every seat taken."""
     no_loader = None  # the choice reads no adapter: neither the pool nor the loader is needed
+    pages = PagePool(None, BlockManager(num_blocks=8, block_size=4))  # type: ignore[arg-type]
     residency = ResidencyManager(
-        None,
-        BlockManager(num_blocks=8, block_size=4),
+        pages,
         HostCache(4),
         no_loader,  # type: ignore[arg-type]
         AdapterRegistry(),
@@ -46,9 +48,7 @@ def engine_victim(entries: list[tuple[float, float, int]]) -> str | None:
             adapter_id,
             "hash",
             seat,
-            first_page=0,
-            layout=None,  # type: ignore[arg-type]
-            layers=[],
+            run=AdapterRun(0, None, []),  # type: ignore[arg-type]
             loaded_at=NOW - loaded_ago,
             last_used=NOW - min(used_ago, loaded_ago),
         )

@@ -21,6 +21,7 @@ All are checked against each other in the tests.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,26 @@ def kernel_plan(layers: list[LayerWeights]) -> torch.Tensor:
                 row += [part.row0, part.row1, part.out0, part.out1, part.bt.storage_offset()]
             plan[layer, index, : len(row)] = torch.tensor(row)
     return plan
+
+
+class KernelPlans:
+    """Each adapter's :func:`kernel_plan`, made once per place its weights take in the pool (an
+    adapter that moves has new ``layers``, so a new plan); the least recently used leave past
+    ``most``."""
+
+    def __init__(self, most: int = 256) -> None:
+        self.most = most
+        self._made: OrderedDict[int, tuple[list[LayerWeights], torch.Tensor]] = OrderedDict()
+
+    def of(self, layers: list[LayerWeights]) -> torch.Tensor:
+        key = id(layers)
+        made = self._made.get(key)
+        if made is None or made[0] is not layers:
+            made = self._made[key] = (layers, kernel_plan(layers))
+        self._made.move_to_end(key)
+        if len(self._made) > self.most:
+            self._made.popitem(last=False)
+        return made[1]
 
 
 KERNEL_WEIGHTS = (torch.float32, torch.bfloat16)
@@ -142,7 +163,7 @@ def _step_plan(segments: list[LoraSegment]) -> torch.Tensor:
     segment's start and end before its adapter's plan."""
     plans = [seg.plan for seg in segments]
     if any(plan is None for plan in plans):
-        raise ValueError("the kernel needs each segment's plan (Resident.plan)")
+        raise ValueError("the kernel needs each segment's plan (KernelPlans.of)")
     adapters = torch.stack(plans, dim=2)  # type: ignore[arg-type]  # [layers, projections, segments, plan]
     bounds = torch.tensor([[seg.start, seg.end] for seg in segments], dtype=torch.long)
     layers, projections = adapters.shape[:2]

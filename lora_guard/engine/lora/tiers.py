@@ -33,7 +33,7 @@ from lora_guard.plugins.manager import Hooks
 from lora_guard.plugins.state import SlotView
 
 if TYPE_CHECKING:
-    from lora_guard.engine.lora.residency import Resident
+    from lora_guard.engine.lora.seats import Resident
 
 log = logging.getLogger(__name__)
 
