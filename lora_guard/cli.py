@@ -250,16 +250,8 @@ def _make_adapters(args: argparse.Namespace) -> int:
     from lora_guard.demo.adapters import AdapterMakerError, make_adapters
 
     try:
-        folders = make_adapters(
-            args.base,
-            args.out,
-            n=args.n,
-            ranks=args.ranks,
-            seed=args.seed,
-            prefix=args.prefix,
-            strength=args.strength,
-            log=print,
-        )
+        shape = {name: getattr(args, name) for name in ("n", "ranks", "seed", "prefix", "strength")}
+        folders = make_adapters(args.base, args.out, **shape, log=print)
     except AdapterMakerError as exc:
         print(f"lora-guard make-adapters: error: {exc}", file=sys.stderr)
         return 1

@@ -130,8 +130,11 @@ LLAMA2_7B = Shape("Llama-2-7B", 4096, 11008, 32, 32, 32, 2)
 LLAMA3_8B = Shape("Llama-3-8B", 4096, 14336, 32, 32, 8, 2)
 
 
-def _costs(shape: Shape, source: str, **ms: float) -> Costs:
-    return Costs(**ms, adapter_mib=shape.lora_bytes(16) / MIB, source=source)
+def _gpu_costs(shape: Shape, source: str, **ms: float) -> Costs:
+    """A GPU host's costs: ``ms``, and the adapter read and copy launches ``GPU_ADAPTER_IO``
+    gives the sources of."""
+    io = {"read_ms": 25.0, "read_per_mib_ms": 0.5, "write_ms": 3.0}
+    return Costs(**io, **ms, adapter_mib=shape.lora_bytes(16) / MIB, source=source)
 
 
 CPU_DEMO = Profile(
@@ -152,12 +155,14 @@ CPU_DEMO = Profile(
     },
 )
 
-#: the disk read of an adapter on a GPU host: the framework's fixed part and an NVMe's 2 GB/s
-DISK_READ = {
+#: the sources of ``_gpu_costs``'s adapter read (the framework's fixed part and an NVMe's 2 GB/s)
+#: and copy launches
+GPU_ADAPTER_IO = {
     "read_ms": "huggingface/peft issue 981: the first adapter's load took 27.32 ms, the second "
     "24.29 ms (framework fixed part; assumed the same on both hosts)",
     "read_per_mib_ms": "assumed: a cold read from an NVMe drive at 2 GB/s (0.1 ms/MiB from the "
     "page cache)",
+    "write_ms": "assumed: the copy launches of an adapter's tensors (one per A or B matrix)",
 }
 
 A10_7B = Profile(
@@ -166,7 +171,7 @@ A10_7B = Profile(
     "NVIDIA A10 24 GB (600 GB/s, 125 TFLOPS fp16, PCIe Gen4)",
     LLAMA2_7B,
     int(6.8 * (1 << 30)),
-    _costs(
+    _gpu_costs(
         LLAMA2_7B,
         "profile a10-7b: Llama-2-7B fp16 on an A10, published figures (docs/simulate.md)",
         step_ms=27.0,
@@ -174,9 +179,6 @@ A10_7B = Profile(
         step_per_adapter_mib_ms=0.0035,
         step_lora_ms=2.1,
         prefill_per_token_ms=0.20,
-        read_ms=25.0,
-        read_per_mib_ms=0.5,
-        write_ms=3.0,
         write_per_mib_ms=0.054,
     ),
     int(12.5562 * (1 << 30)),
@@ -191,8 +193,7 @@ A10_7B = Profile(
         "step_lora_ms": "S-LoRA repository, A10G, benchmarks/a10g: turning its LoRA kernels off "
         "raises throughput 6.4% (1 adapter) to 7.5% (500 adapters), about 2.1 ms of a 33 ms step",
         "prefill_per_token_ms": "roofline: 13.5 GFLOP a token at 55% of 125 TFLOPS",
-        **DISK_READ,
-        "write_ms": "assumed: the copy launches of an adapter's tensors (one per A or B matrix)",
+        **GPU_ADAPTER_IO,
         "write_per_mib_ms": "measured pinned host-to-device copy on an A10, 19.6 GB/s "
         "(drkennetz/cuda_examples pull request 1)",
         "memory": "0.9 of 22.5 GiB less 12.55 GiB of weights (vLLM's load log, vllm pull request "
@@ -207,7 +208,7 @@ H100_8B = Profile(
     "NVIDIA H100 80 GB SXM (3.35 TB/s, 989 TFLOPS bf16, PCIe Gen5)",
     LLAMA3_8B,
     54 << 30,
-    _costs(
+    _gpu_costs(
         LLAMA3_8B,
         "profile h100-8b: Llama-3-8B bf16 on an H100, published figures (docs/simulate.md)",
         step_ms=7.0,
@@ -215,9 +216,6 @@ H100_8B = Profile(
         step_per_adapter_mib_ms=0.0006,
         step_lora_ms=1.0,
         prefill_per_token_ms=0.03,
-        read_ms=25.0,
-        read_per_mib_ms=0.5,
-        write_ms=3.0,
         write_per_mib_ms=0.028,
     ),
     int(14.9888 * (1 << 30)),
@@ -232,8 +230,7 @@ H100_8B = Profile(
         "us); Punica reports about 2 ms a token on an A100",
         "prefill_per_token_ms": "LambdaLabsML/vllm-benchmark prompt_10: 1,369 prompt tokens, TTFT "
         "62 ms (at most 0.046 ms a token, fixed part included); roofline 0.016",
-        **DISK_READ,
-        "write_ms": "assumed: the copy launches of an adapter's tensors (one per A or B matrix)",
+        **GPU_ADAPTER_IO,
         "write_per_mib_ms": "measured host-to-device copy on an H100 host, 35.3 GB/s "
         "(NVIDIA/nvbandwidth issue 24)",
         "memory": "0.9 of 79.2 GiB less 15 GiB of weights (vLLM's load log, vllm issue 10517) and "

@@ -7,7 +7,9 @@ no model) and the base model's own id all mean the base model.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from typing import Any
 
 TGI_GENERATE = frozenset({"/generate", "/generate_stream", "/"})
 OPENAI_GENERATE = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -32,3 +34,13 @@ def named_in(path: str, body: Mapping[str, object]) -> object:
     if path in OPENAI_GENERATE:
         return body.get("model")
     return None
+
+
+def json_object(body: bytes) -> dict[str, Any] | None:
+    """The JSON object a request's body holds; None for a body that is not one (the server's to
+    refuse)."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from lora_guard.workload.scenarios import scenario
 from lora_guard.workload.trace import (
@@ -191,19 +192,14 @@ def _add_sweep_flags(add: Any) -> None:
     )
 
 
+#: the flags that set the WorkloadSpec field of the same name
+_SPEC_FLAGS = "adapters tenants requests zipf output_mean scenario system_prompt_words base_share"
+
+
 def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
     """The trace the flags ask for (its rate is set later: by --rate, or by --load)."""
-    return WorkloadSpec(
-        adapters=args.adapters,
-        tenants=args.tenants,
-        requests=args.requests,
-        zipf=args.zipf,
-        output_mean=args.output_mean,
-        scenario=args.scenario,
-        system_prompt_words=args.system_prompt_words,
-        user_words_mean=args.user_words,
-        base_share=args.base_share,
-    )
+    flags = {name: getattr(args, name) for name in _SPEC_FLAGS.split()}
+    return WorkloadSpec(**flags, user_words_mean=args.user_words)
 
 
 def _positive(text: str) -> int:
@@ -222,31 +218,33 @@ PEERS = ("vllm", "vllm-lora-guard", "vllm-all-resident")
 
 
 def _peers(text: str) -> tuple[str, ...]:
-    names = tuple(part.strip() for part in text.split(",") if part.strip())
-    unknown = [n for n in names if n not in PEERS]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"expected peers from {', '.join(PEERS)}, got {text!r}")
-    return names
+    return tuple(_listed(text, str.strip, set(PEERS).issuperset, f"peers from {', '.join(PEERS)}"))
 
 
 def _clients(text: str) -> list[int]:
-    try:
-        counts = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"expected client counts such as 1,2,4,8, got {text!r}")
-    return counts
+    return _listed(text, int, lambda counts: min(counts) >= 1, "client counts such as 1,2,4,8")
 
 
 def _seeds(text: str) -> list[int]:
+    return _listed(
+        text, int, lambda seeds: len(set(seeds)) == len(seeds), "distinct seeds such as 0,1,2"
+    )
+
+
+T = TypeVar("T")
+
+
+def _listed(
+    text: str, item: Callable[[str], T], fits: Callable[[list[T]], bool], wanted: str
+) -> list[T]:
+    """The comma-separated items of ``text``, or argparse's error: expected ``wanted``."""
     try:
-        seeds = [int(part) for part in text.split(",") if part.strip()]
+        items = [item(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seeds such as 0,1,2, got {text!r}") from None
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise argparse.ArgumentTypeError(f"expected distinct seeds such as 0,1,2, got {text!r}")
-    return seeds
+        items = []
+    if not items or not fits(items):
+        raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
+    return items
 
 
 class _OneSeed(argparse.Action):

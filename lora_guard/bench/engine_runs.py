@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from lora_guard.clock import timer
+from lora_guard.demo.greedy import greedy, left_pad
 from lora_guard.engine import LLM, SamplingParams
 
 _RUNS = itertools.count()
@@ -82,22 +83,11 @@ def peft_run(
 ) -> tuple[float, float, float]:
     """Decode step time (ms), tokens/s and prefill time (ms) of transformers + PEFT ``generate``
     on the batch."""
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids, mask = left_pad(prompts, pad_id)
 
     def generate(n: int) -> float:
         started = timer()
-        with torch.no_grad():
-            model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                adapter_names=adapters,
-                pad_token_id=pad_id,
-            )
+        greedy(model, ids, mask, n, pad_id, min_new_tokens=n, adapter_names=adapters)
         return timer() - started
 
     generate(2)  # warm-up: kernels made for these shapes on first use are not a step's cost

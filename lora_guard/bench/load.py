@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,12 +105,9 @@ def _send(http: httpx.Client, request: TraceRequest, body: Body, start: float) -
     }
     for attempt in range(_STALE_RETRIES + 1):
         try:
-            with http.stream("POST", "/v1/completions", json=payload) as answer:
-                if answer.status_code != 200:
-                    answer.read()
-                    reply.error = f"{answer.status_code}: {answer.text[:200]}"
-                else:
-                    _read_stream(answer, reply, start)
+            _read_stream(completion_chunks(http, payload), reply, start)
+        except RefusedError as exc:
+            reply.error = str(exc)
         except httpx.RemoteProtocolError as exc:
             # A kept-alive connection the server closed as the request went out: nothing was
             # answered, so the request is sent again on a new one, as browsers do.
@@ -125,12 +122,24 @@ def _send(http: httpx.Client, request: TraceRequest, body: Body, start: float) -
     return reply
 
 
-def _read_stream(answer: httpx.Response, reply: Reply, start: float) -> None:
+class RefusedError(Exception):
+    """A completions request answered with another status than 200: the status and the text."""
+
+
+def completion_chunks(http: httpx.Client, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The chunks of the streamed answer to ``body`` on the completions route."""
+    with http.stream("POST", "/v1/completions", json=body) as answer:
+        if answer.status_code != 200:
+            answer.read()
+            raise RefusedError(f"{answer.status_code}: {answer.text[:200]}")
+        for line in answer.iter_lines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                yield json.loads(line[5:])
+
+
+def _read_stream(chunks: Iterator[dict[str, Any]], reply: Reply, start: float) -> None:
     usage = None
-    for line in answer.iter_lines():
-        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-            continue
-        chunk = json.loads(line[5:])
+    for chunk in chunks:
         if "error" in chunk:
             reply.error = str(chunk["error"])[:200]
             return

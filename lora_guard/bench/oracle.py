@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from lora_guard.bench.isolate import call_in_process
 from lora_guard.bench.replay import EngineOptions, SchemeRun
-from lora_guard.engine import LLM, SamplingParams
+from lora_guard.engine import SamplingParams
 from lora_guard.workload.trace import TraceRequest
 
 
@@ -30,19 +30,11 @@ def oracle_tokens(
 ) -> dict[str, list[int]]:
     """Greedy tokens per request key: in one batch, or (``solo``) one request at a time."""
     adapters = {r.adapter_id for r in requests if r.adapter_id is not None}
-    llm = LLM(
-        options.model,
-        adapter_dir=options.adapter_dir,
+    llm = options.llm(
         policies="lru",
         max_loras=max(1, len(adapters)),
         max_cpu_loras=max(1, len(adapters)),
-        max_lora_rank=options.max_lora_rank,
-        kv_cache_memory=options.kv_cache_memory,
-        max_num_seqs=options.max_num_seqs,
         enable_prefix_caching=False,
-        dtype=options.dtype,
-        lora_dtype=options.lora_dtype,
-        device=options.device,
     )
     # A request the engine cannot take (too long) failed in every scheme too: nothing to compare.
     limit = llm.engine.max_model_len

@@ -11,6 +11,7 @@ import torch
 
 from lora_guard.bench.replay import Bind, EngineOptions, RequestRecord, SchemeRun, peak_rss_now
 from lora_guard.clock import monotonic
+from lora_guard.demo.greedy import greedy, left_pad
 from lora_guard.engine.tokens import encode_text
 from lora_guard.workload.trace import TraceRequest
 
@@ -93,24 +94,23 @@ def replay_peft(trace: list[TraceRequest], options: EngineOptions) -> SchemeRun:
             if r.adapter_id is not None
         ]
         prompts = [encode_text(tokenizer, r.prompt) for r in batch]
-        width = max(len(p) for p in prompts)
+        ids, mask = left_pad(prompts, pad, device)
+        width = ids.shape[1]
         new = max(r.max_new_tokens for r in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         peak_kv = max(peak_kv, len(batch) * (width + new) * kv_per_token)
         clock = _FirstToken()
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=pad,
-                streamer=clock,
-                adapter_names=[r.adapter_id or _BASE for r in batch],
-            )
+        names = [r.adapter_id or _BASE for r in batch]
+        out = greedy(
+            model,
+            ids,
+            mask,
+            new,
+            pad,
+            min_new_tokens=new,
+            eos_token_id=None,
+            streamer=clock,
+            adapter_names=names,
+        )
         done = monotonic() - start
         first = (clock.first - start) if clock.first is not None else done
         for i, request in enumerate(batch):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ from lora_guard.clock import monotonic
 from lora_guard.engine import LLM, SamplingParams
 from lora_guard.engine.llm_engine import LLMEngine, RequestError
 from lora_guard.engine.lora.registry import scan_adapter_dir
-from lora_guard.engine.outputs import StepRecord
+from lora_guard.engine.outputs import RequestOutput, StepRecord
 from lora_guard.plugins import hookimpl
 from lora_guard.plugins.state import RequestView
 from lora_guard.workload.trace import TraceRequest
@@ -88,38 +88,37 @@ class EngineOptions:
     lora_dtype: str = "auto"  # the adapters' pages: auto is dtype
     device: str = "cpu"
 
+    def llm(self, **knobs: Any) -> LLM:
+        """An engine on this model, these adapters, this KV pool and these dtypes, with ``knobs``
+        besides."""
+        return LLM(
+            self.model,
+            adapter_dir=self.adapter_dir,
+            max_lora_rank=self.max_lora_rank,
+            kv_cache_memory=self.kv_cache_memory,
+            max_num_seqs=self.max_num_seqs,
+            dtype=self.dtype,
+            lora_dtype=self.lora_dtype,
+            device=self.device,
+            **knobs,
+        )
+
 
 def scheme_llm(scheme: str, options: EngineOptions, static_adapter: str | None) -> LLM:
     """The engine a scheme stands for, with the same model, adapters and KV pool for all."""
-    common: dict[str, Any] = dict(
-        adapter_dir=options.adapter_dir,
-        max_lora_rank=options.max_lora_rank,
-        kv_cache_memory=options.kv_cache_memory,
-        max_num_seqs=options.max_num_seqs,
-        dtype=options.dtype,
-        lora_dtype=options.lora_dtype,
-        device=options.device,
-        disabled_plugins=(),
-    )
     guard = {"cold_loads_per_minute": options.cold_loads_per_minute}
     if scheme == "static":
-        return LLM(
-            options.model, **common, policies="static", settings={"static_adapter": static_adapter}
-        )
+        return options.llm(policies="static", settings={"static_adapter": static_adapter})
     if scheme == "on-demand":
         # The naive scheme: one adapter merged at a time, read from disk at each switch.
-        return LLM(options.model, **common, policies="on-demand", max_loras=1, max_cpu_loras=1)
+        return options.llm(policies="on-demand", max_loras=1, max_cpu_loras=1)
     if scheme == "lru":
-        return LLM(options.model, **common, policies="lru", max_loras=options.max_loras)
+        return options.llm(policies="lru", max_loras=options.max_loras)
     if scheme == "lora-guard":
-        return LLM(options.model, **common, max_loras=options.max_loras, settings=guard)
+        return options.llm(max_loras=options.max_loras, settings=guard)
     if scheme == "lora-guard-observe":
-        return LLM(
-            options.model,
-            **common,
-            max_loras=options.max_loras,
-            settings={**guard, "kv_namespace_mode": "observe"},
-        )
+        observe = {**guard, "kv_namespace_mode": "observe"}
+        return options.llm(max_loras=options.max_loras, settings=observe)
     raise ValueError(f"unknown engine scheme {scheme!r}")
 
 
@@ -205,6 +204,57 @@ def _served_by(request: TraceRequest, adapter: str | None) -> TraceRequest:
     return replace(request, adapter_id=adapter)
 
 
+class Attempts:
+    """A trace's requests on their way through an engine: each arrival, and each 429 sent again
+    once its retry-after has passed, is an attempt ``<id>#<retries>`` of the request's own."""
+
+    def __init__(self, trace: Sequence[TraceRequest], adapters: bool = True) -> None:
+        self.records = {
+            r.id: RequestRecord(r.id, r.adapter_id if adapters else None, r.time) for r in trace
+        }
+        self.requests = {r.id: r for r in trace}
+        self.due = [(r.time, i, r.id) for i, r in enumerate(trace)]  # (time, tiebreak, id)
+        heapq.heapify(self.due)
+        self.attempt_of: dict[str, str] = {}  # engine request id -> trace id
+        self.open = len(trace)  # requests without their tokens or their error yet
+        self.resent = 0  # 429s sent again
+        self._tiebreak = len(trace)
+
+    def arrivals(self, now: float) -> Iterator[tuple[str, TraceRequest, RequestRecord]]:
+        """The attempts due by ``now``: each one's engine request id, request and record."""
+        while self.due and self.due[0][0] <= now:
+            _, _, trace_id = heapq.heappop(self.due)
+            record = self.records[trace_id]
+            attempt = f"{trace_id}#{record.retries}"
+            self.attempt_of[attempt] = trace_id
+            yield attempt, self.requests[trace_id], record
+
+    def refused(self, attempt: str, error: str, now: float) -> None:
+        """The engine would not take ``attempt``: its request ends in ``error``."""
+        record = self.records[self.attempt_of.pop(attempt)]
+        record.error, record.finish = error, now
+        self.open -= 1
+
+    def note(self, out: RequestOutput, now: float) -> None:
+        """An engine output of an attempt, ``now`` seconds into the replay."""
+        record = self.records[self.attempt_of[out.request_id]]
+        if out.token_ids and record.first_token is None:
+            record.first_token = now
+        if not out.finished:
+            return
+        del self.attempt_of[out.request_id]
+        if out.error is not None and out.retry_after is not None:
+            record.retries += 1
+            self.resent += 1
+            self._tiebreak += 1
+            heapq.heappush(self.due, (now + out.retry_after, self._tiebreak, record.id))
+            return
+        record.finish, record.tokens, record.error = now, list(out.token_ids), out.error
+        record.held_s += out.held_s
+        record.adapter_wait_s += out.adapter_wait_s
+        self.open -= 1
+
+
 def _replay(
     engine: LLMEngine,
     trace: list[TraceRequest],
@@ -214,31 +264,19 @@ def _replay(
 ) -> list[RequestRecord]:
     """Replay ``trace`` in real time; every step's record is added to ``steps`` (the engine
     keeps only its recent ones)."""
-    records = {r.id: RequestRecord(r.id, r.adapter_id, r.time) for r in trace}
-    by_id = {r.id: r for r in trace}
-    due: list[tuple[float, int, str]] = [(r.time, i, r.id) for i, r in enumerate(trace)]
-    heapq.heapify(due)
-    attempt_of: dict[str, str] = {}  # engine request id -> trace id
-    open_requests = len(trace)
-    tiebreak = len(trace)
-    while open_requests:
+    attempts = Attempts(trace)
+    while attempts.open:
         now = monotonic() - start
-        while due and due[0][0] <= now:
-            _, _, trace_id = heapq.heappop(due)
-            request, record = by_id[trace_id], records[trace_id]
-            attempt = f"{trace_id}#{record.retries}"
+        for attempt, request, _ in attempts.arrivals(now):
             params = SamplingParams(max_new_tokens=request.max_new_tokens, ignore_eos=True)
             try:
                 engine.add_request(
                     attempt, request.prompt, params, request.adapter_id, tenant_id=request.tenant
                 )
             except RequestError as exc:
-                record.error, record.finish = str(exc), now
-                open_requests -= 1
-                continue
-            attempt_of[attempt] = trace_id
+                attempts.refused(attempt, str(exc), now)
         if not engine.has_unfinished_requests():
-            wait = (due[0][0] - now) if due else _IDLE_WAIT_S
+            wait = (attempts.due[0][0] - now) if attempts.due else _IDLE_WAIT_S
             time.sleep(min(max(wait, 0.0), 0.05))
             continue
         outputs = engine.step()
@@ -249,24 +287,10 @@ def _replay(
                 steps.append(last)
         now = monotonic() - start
         for out in outputs:
-            record = records[attempt_of[out.request_id]]
-            if out.token_ids and record.first_token is None:
-                record.first_token = now
-            if not out.finished:
-                continue
-            del attempt_of[out.request_id]
-            if out.error is not None and out.retry_after is not None:
-                record.retries += 1
-                tiebreak += 1
-                heapq.heappush(due, (now + out.retry_after, tiebreak, record.id))
-                continue
-            record.finish, record.tokens, record.error = now, list(out.token_ids), out.error
-            record.held_s += out.held_s
-            record.adapter_wait_s += out.adapter_wait_s
-            open_requests -= 1
+            attempts.note(out, now)
         if not outputs:
             time.sleep(_IDLE_WAIT_S)  # waiting for an adapter read
-    return list(records.values())
+    return list(attempts.records.values())
 
 
 class MemoryWatch:

@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,21 @@ def shared(text: str) -> str:
     ):
         text = text.replace(str(path), name)
     return text
+
+
+@contextmanager
+def serving(
+    launch: ServerLaunch, port: int, log_file: Path
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """The server ``launch`` starts, once ready on loopback ``port``, and its URL; stopped on
+    leaving."""
+    server = start_server(launch, log_file)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(server, url, log_file)
+        yield server, url
+    finally:
+        stop_server(server)
 
 
 def start_server(launch: ServerLaunch, log_file: Path) -> subprocess.Popen[bytes]:

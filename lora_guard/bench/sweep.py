@@ -33,14 +33,7 @@ from lora_guard.bench.load import Reply, busy_throughput, closed_loop, open_loop
 from lora_guard.bench.machine_speed import machine_speed
 from lora_guard.bench.peer_env import PeerError
 from lora_guard.bench.replay import EngineOptions
-from lora_guard.bench.servers import (
-    ServerLaunch,
-    shared,
-    start_server,
-    stop_server,
-    tree_rss,
-    wait_ready,
-)
+from lora_guard.bench.servers import ServerLaunch, serving, shared, tree_rss
 from lora_guard.bench.sweep_report import (
     ms,
     sweep_table,
@@ -168,12 +161,9 @@ def run_system(
     runs ``more`` asks for, given the points so far, until it gives None; stop it. Returns the
     points and the server's peak RSS (its processes summed). ``ceiling``: the machine's rate
     in the run's dtype and each point's FLOPs a token (else the rate in float32 alone)."""
-    server = start_server(system.launch, log_file)
     points: list[Point] = []
     peak = 0
-    try:
-        url = f"http://127.0.0.1:{_port(system.launch)}"
-        wait_ready(server, url, log_file)
+    with serving(system.launch, _port(system.launch), log_file) as (server, url):
 
         def extra() -> Iterator[tuple[int, list[TraceRequest]]]:
             while more is not None and (run := more(points)) is not None:
@@ -214,8 +204,6 @@ def run_system(
             )
             if failed:
                 raise PeerError(f"{system.name}: {len(failed)} requests failed, e.g. {failed[0]}")
-    finally:
-        stop_server(server)
     return points, peak
 
 

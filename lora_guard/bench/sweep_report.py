@@ -117,20 +117,9 @@ def write_sweep_plot(systems: dict[str, dict[str, Any]], folder: Path) -> list[P
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, found in systems.items():
         clients = [p["clients"] for p in found["points"]]
-        left.plot(
-            clients,
-            [p["tokens_per_s"] for p in found["points"]],
-            marker="o",
-            label=name,
-            color=colour(name),
-        )
-        right.plot(
-            clients,
-            [p["ttft_p95_ms"] for p in found["points"]],
-            marker="o",
-            label=name,
-            color=colour(name),
-        )
+        for ax, key in ((left, "tokens_per_s"), (right, "ttft_p95_ms")):
+            values = [p[key] for p in found["points"]]
+            ax.plot(clients, values, marker="o", label=name, color=colour(name))
     left.set_ylabel("generated tokens/s (all clients busy)")
     right.set_ylabel("TTFT p95 (ms)")
     right.set_yscale("log")

@@ -40,27 +40,18 @@ class System:
 Log = Callable[[str], None]
 
 
+def _python_server(program: list[str], options: EngineOptions, port: int) -> list[str]:
+    """``python -m <program>`` on the options' model, adapters and dtype, on loopback ``port``."""
+    command = [sys.executable, "-m", *program, "--model", str(options.model)]
+    command += ["--adapter-dir", str(options.adapter_dir), "--dtype", options.dtype]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
+    return command
+
+
 def _lora_guard(options: EngineOptions, adapters: list[str], port: int, log: Log) -> System:
-    command = [
-        sys.executable,
-        "-m",
-        "lora_guard.cli",
-        "serve",
-        "--model",
-        str(options.model),
-        "--adapter-dir",
-        str(options.adapter_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--cache-memory",
-        str(options.kv_cache_memory),
-        "--dtype",
-        options.dtype,
-        "--max-num-seqs",
-        str(options.max_num_seqs),
-    ]
+    command = _python_server(["lora_guard.cli", "serve"], options, port)
+    command += ["--cache-memory", str(options.kv_cache_memory)]
+    command += ["--max-num-seqs", str(options.max_num_seqs)]
     if options.max_loras:
         command += ["--max-loras", str(options.max_loras)]
     counters = ("lora_guard_prefix_cache_hit_tokens_total", "tgi_request_input_length_sum")
@@ -71,21 +62,8 @@ def _lora_guard(options: EngineOptions, adapters: list[str], port: int, log: Log
 def _peft(options: EngineOptions, adapters: list[str], port: int, log: Log) -> System:
     from lora_guard.bench.peft_server import BASE_NAME
 
-    command = [
-        sys.executable,
-        "-m",
-        "lora_guard.bench.peft_server",
-        "--model",
-        str(options.model),
-        "--adapter-dir",
-        str(options.adapter_dir),
-        "--adapters",
-        ",".join(adapters),
-        "--dtype",
-        options.dtype,
-        "--port",
-        str(port),
-    ]
+    command = _python_server(["lora_guard.bench.peft_server"], options, port)
+    command += ["--adapters", ",".join(adapters)]
     return System("peft", ServerLaunch(command, {}), _by_model(BASE_NAME))
 
 

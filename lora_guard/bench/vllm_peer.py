@@ -14,7 +14,6 @@ peak memory is the sum of its processes' resident peaks.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import threading
@@ -26,16 +25,10 @@ from typing import Any
 
 import httpx
 
+from lora_guard.bench.load import RefusedError, completion_chunks
 from lora_guard.bench.peer_env import PEERS, PeerError
 from lora_guard.bench.replay import EngineOptions, RequestRecord, SchemeRun
-from lora_guard.bench.servers import (
-    ServerLaunch,
-    shared,
-    start_server,
-    stop_server,
-    tree_rss,
-    wait_ready,
-)
+from lora_guard.bench.servers import ServerLaunch, serving, shared, tree_rss
 from lora_guard.clock import monotonic
 from lora_guard.workload.trace import TraceRequest
 
@@ -80,10 +73,7 @@ def replay_vllm(
     if peer == "vllm-lora-guard":
         install_lora_guard(python)
     launch = peer_launch(peer, python, options, adapters, port, log_file.parent)
-    server = start_server(launch, log_file)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(server, url, log_file)
+    with serving(launch, port, log_file) as (server, url):
         _warm_up(url, adapters, encode_text(tokenizer, "Warm-up."))
         prompts = {r.id: encode_text(tokenizer, r.prompt) for r in trace}
         records = {r.id: RequestRecord(r.id, r.adapter_id, r.time) for r in trace}
@@ -103,8 +93,6 @@ def replay_vllm(
             peak = max(peak, tree_rss(server.pid))
         duration = monotonic() - start
         client.close()
-    finally:
-        stop_server(server)
     log = log_file.read_text(errors="replace")
     return SchemeRun(
         scheme=peer,
@@ -333,19 +321,13 @@ def _send(
         "return_token_ids": True,
     }
     try:
-        with client.stream("POST", "/v1/completions", json=body) as reply:
-            if reply.status_code != 200:
-                reply.read()
-                record.error = f"{reply.status_code}: {reply.text[:200]}"
-            else:
-                for line in reply.iter_lines():
-                    if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[5:])
-                    ids = chunk["choices"][0].get("token_ids") or []
-                    if ids and record.first_token is None:
-                        record.first_token = monotonic() - start
-                    record.tokens.extend(int(i) for i in ids)
+        for chunk in completion_chunks(client, body):
+            ids = chunk["choices"][0].get("token_ids") or []
+            if ids and record.first_token is None:
+                record.first_token = monotonic() - start
+            record.tokens.extend(int(i) for i in ids)
+    except RefusedError as exc:
+        record.error = str(exc)
     except (httpx.HTTPError, ValueError, KeyError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     record.finish = monotonic() - start

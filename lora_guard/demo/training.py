@@ -23,6 +23,7 @@ import torch
 
 from lora_guard.clock import timer
 from lora_guard.demo.adapters import ATTENTION_MODULES
+from lora_guard.demo.greedy import greedy, left_pad
 from lora_guard.demo.manifest import read_manifest
 from lora_guard.demo.personas import Persona, training_questions
 
@@ -142,17 +143,17 @@ def teacher_answers(
             + tokenizer.encode(persona.prefill, add_special_tokens=False)
             for q in batch
         ]
-        ids, mask = _left_pad(prompts, end)
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                repetition_penalty=TEACHER_REPETITION_PENALTY,
-                eos_token_id=sorted({end, tokenizer.eos_token_id} - {None}),
-                pad_token_id=end,
-            )
+        ids, mask = left_pad(prompts, end)
+        ends = sorted({end, tokenizer.eos_token_id} - {None})
+        out = greedy(
+            model,
+            ids,
+            mask,
+            max_new_tokens,
+            end,
+            repetition_penalty=TEACHER_REPETITION_PENALTY,
+            eos_token_id=ends,
+        )
         for question, row in zip(batch, out[:, ids.shape[1] :].tolist(), strict=True):
             ended = end in row or tokenizer.eos_token_id in row
             text = persona.prefill + tokenizer.decode(row, skip_special_tokens=True)
@@ -217,7 +218,7 @@ def fit_lora(
 
 def _answer_loss(model: Any, rows: list[tuple[list[int], list[int]]], pad: int) -> torch.Tensor:
     """Mean cross-entropy of the answer tokens; rows are left-padded so answers end together."""
-    ids, mask = _left_pad([p + a for p, a in rows], pad)
+    ids, mask = left_pad([p + a for p, a in rows], pad)
     keep = max(len(a) for _, a in rows)
     labels = ids[:, -keep:].clone()
     for i, (_, answer) in enumerate(rows):
@@ -242,13 +243,6 @@ def _batches(n: int, size: int, steps: int, seed: int) -> list[list[int]]:
         batches.append(order[:size])
         order = order[size:]
     return batches
-
-
-def _left_pad(rows: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return ids, mask
 
 
 def _end_of_turn(tokenizer: Any) -> int:

@@ -91,7 +91,7 @@ def engine_from_config(
         registry.add_dir(Path(adapter_dir).expanduser())
     for adapter_id, path in (adapters or {}).items():
         registry.add(adapter_id, Path(path).expanduser())
-    num_pages, page_bytes, adapter_pages = _pool_pages(config, spec, registry)
+    num_pages, adapter_pages = _pool_pages(config, spec, registry)
     try:
         pool = CachePool(
             spec,
@@ -126,7 +126,6 @@ def engine_from_config(
         config.max_batch_tokens,
         config.max_num_seqs,
         reject_when_busy=config.reject_when_busy,
-        page_bytes=page_bytes,
         clock=config.clock,
     )
     check = RequestCheck(
@@ -158,8 +157,8 @@ def _model(config: EngineConfig, model_dir: Path) -> LlamaModel:
 
 def _pool_pages(
     config: EngineConfig, spec: ModelSpec, registry: AdapterRegistry
-) -> tuple[int, int, int]:
-    """The cache pool's pages, the bytes of one, and the pages kept for adapters alone
+) -> tuple[int, int]:
+    """The cache pool's pages and the pages kept for adapters alone
     (``adapter_memory``)."""
     page_bytes = CachePool.page_bytes(spec, config.block_size, config.torch_dtype)
     try:
@@ -189,7 +188,7 @@ def _pool_pages(
             f"adapter_memory ({config.adapter_memory} bytes) leaves the KV fewer than "
             f"{MIN_KV_BLOCKS} pages of the cache pool's {num_pages}"
         )
-    return num_pages, page_bytes, adapter_pages
+    return num_pages, adapter_pages
 
 
 def _residency(

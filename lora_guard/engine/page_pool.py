@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
 
 from lora_guard.engine.kv_cache import BlockManager
 from lora_guard.engine.lora.checkpoint import LoRAAdapter
@@ -59,6 +61,25 @@ class PagePool:
         if self.partitioned:
             return self.adapter_region - len(self.blocks.reserved) + freed
         return self.blocks.num_blank_pages + freed
+
+    def occupancy(self) -> dict[str, Any]:
+        """How the pages are used now, as the hooks' ``EngineState`` reads it."""
+        blocks = self.blocks
+        page_bytes = self.memory.nbytes() // blocks.num_blocks
+        return dict(
+            memory_watermark=1 - blocks.num_free_blocks / blocks.num_blocks,
+            kv_share=blocks.num_used_blocks / blocks.num_blocks,
+            pool_bytes=MappingProxyType(
+                {
+                    "kv": blocks.num_used_blocks * page_bytes,
+                    "adapter": len(blocks.reserved) * page_bytes,
+                    "free": blocks.num_free_blocks * page_bytes,
+                }
+            ),
+            free_pages=blocks.num_free_blocks,
+            pool_pages=blocks.num_blocks,
+            block_size=blocks.block_size,
+        )
 
     def layout(self, adapter: LoRAAdapter) -> AdapterLayout:
         """Where ``adapter``'s matrices sit in a run of pages (the same for every copy)."""

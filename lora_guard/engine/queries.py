@@ -19,6 +19,7 @@ from lora_guard.engine.lora.tiers import Need
 from lora_guard.engine.runner import ModelRunner
 from lora_guard.engine.scheduler import Scheduler
 from lora_guard.engine.spec import ModelSpec
+from lora_guard.plugins.decisions import Load
 from lora_guard.plugins.state import EngineState
 
 MIB = 2**20
@@ -209,11 +210,11 @@ class EngineQueries:
         assert resident.content_hash == adapter.content_hash
         started = timer()
         residency.evict(resident)
-        placed = residency.acquire(
-            Need(adapter_id, None, ready=False), None, self.scheduler.running
-        )
+        need = Need(adapter_id, None, ready=False)
+        brought = residency.bring_in(need, Load(), self.scheduler.running, parked=False)
         write_ms = (timer() - started) * 1000
-        assert placed is not None
+        placed = residency.current(adapter_id)
+        assert brought and placed is not None
         return ReloadTiming(read_ms, write_ms, placed.layout.nbytes / MIB)
 
     def _known(self, adapter_id: str) -> None:

@@ -43,12 +43,11 @@ class Scheduler:
         max_batch_tokens: int,
         max_num_seqs: int,
         reject_when_busy: bool = True,
-        page_bytes: int = 0,
         clock: Callable[[], float] = monotonic,
     ) -> None:
         self.pages, self.blocks = pages, pages.blocks  # KV blocks and adapter runs; the blocks
         self.adapters, self.hooks, self.model_id = adapters, hooks, model_id
-        self.reject_when_busy, self.page_bytes, self.clock = reject_when_busy, page_bytes, clock
+        self.reject_when_busy, self.clock = reject_when_busy, clock
         self.max_batch_tokens, self.max_num_seqs = max_batch_tokens, max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -72,22 +71,12 @@ class Scheduler:
         if self._state is None or fresh:
             adapters, usage, now = self.adapters, self.adapters.usage, self.clock()
             running = Counter(s.adapter_id for s in self.running if s.adapter_id)
-            blocks = self.blocks
             self._state = EngineState(
                 step=self.num_steps,
                 now=now,
                 slots=adapters.slot_views(running, now),
                 host_adapters=tuple(adapters.host.entries),
                 loading=frozenset(adapters.loader.pending),
-                memory_watermark=1 - blocks.num_free_blocks / blocks.num_blocks,
-                kv_share=blocks.num_used_blocks / blocks.num_blocks,
-                pool_bytes=MappingProxyType(
-                    {
-                        "kv": blocks.num_used_blocks * self.page_bytes,
-                        "adapter": len(blocks.reserved) * self.page_bytes,
-                        "free": blocks.num_free_blocks * self.page_bytes,
-                    }
-                ),
                 num_parked=sum(1 for s in self.running if s.parked_since is not None),
                 adapters_changed_on_disk=adapters.stats.changed_on_disk,
                 num_waiting=len(self.waiting),
@@ -101,14 +90,12 @@ class Scheduler:
                 cold_loads_in_window=usage.disk_reads.total(now),
                 evicting_loads=usage.evicting_loads.times(now),
                 num_preemptions=self.num_preemptions,
-                free_pages=blocks.num_free_blocks,
                 adapter_pages=MappingProxyType(
                     adapters.pages_by_adapter(
                         {s.adapter_id for s in (*self.running, *self.waiting) if s.adapter_id}
                     )
                 ),
-                pool_pages=blocks.num_blocks,
-                block_size=blocks.block_size,
+                **self.pages.occupancy(),
                 adapter_ranks=MappingProxyType(adapters.ranks()),
                 steps_left=MappingProxyType(steps_left(s.view() for s in self.running)),
             )
@@ -238,7 +225,7 @@ class Scheduler:
         """Ask the policies, then the pool, for ``seq``'s adapter (adapter-load decisions)."""
         tier = self.adapters.lookup(need)
         self._note_lookup(seq, tier)
-        seat, evict = None, tuple[int, ...]()
+        how = Load()  # the engine chooses the seat
         asks = need.adapter_id is not None and tier in (Lookup.WARM, Lookup.COLD)
         if asks and self.hooks.has("lora_guard_adapter_load"):
             decision = self.hooks.adapter_load(
@@ -255,10 +242,10 @@ class Scheduler:
                     return  # a running request, or an offline batch, waits instead
                 raise _Rejected(decision.reason, decision.retry_after)
             if isinstance(decision, Load):
-                seat, evict = decision.slot, decision.evict
+                how = decision
         if tier is Lookup.LOADING:
             return
-        if self.adapters.bring_in(need, seat, self.running, parked=parked, evict=evict):
+        if self.adapters.bring_in(need, how, self.running, parked):
             self._state = None  # the weights changed
 
     def _note_lookup(self, seq: Sequence, tier: Lookup) -> None:

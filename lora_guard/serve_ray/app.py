@@ -13,7 +13,6 @@ refused with 501, since they would reach one replica only.
 
 # No ``from __future__ import annotations``: FastAPI reads the route's annotations at runtime.
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -25,7 +24,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from lora_guard.naming import OPENAI_GENERATE, TGI_GENERATE, adapter_of, named_in
+from lora_guard.naming import OPENAI_GENERATE, TGI_GENERATE, adapter_of, json_object, named_in
 from lora_guard.serve_ray.asgi import Forwarded, Head, call_app
 from lora_guard.serve_ray.metrics import merge_metrics
 from lora_guard.tenancy import header_tenant
@@ -181,13 +180,8 @@ class Ingress:
         route (a body that is not JSON is the engine's to refuse)."""
         if path not in TGI_GENERATE and path not in OPENAI_GENERATE:
             return None
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(parsed, dict):
-            return None
-        name = named_in(path, parsed)
+        parsed = json_object(body)
+        name = None if parsed is None else named_in(path, parsed)
         if name is None:
             return None
         if self.base_model is None:

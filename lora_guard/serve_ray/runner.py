@@ -94,6 +94,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+#: the flags that set ``app.engine_deployment``'s option of the same name
+_DEPLOYMENT_FLAGS = "router replica_cpus threads max_ongoing_requests spread_queue"
+
+
 def main(argv: Sequence[str]) -> int:
     args, serve_argv = parser().parse_known_args(list(argv))
     small = [
@@ -119,16 +123,8 @@ def main(argv: Sequence[str]) -> int:
         connect(args.ray_address, args.ray_cpus)
         for sig in (signal.SIGINT, signal.SIGTERM):  # after Ray's start, so that they are ours
             signal.signal(sig, lambda *_: stop.set())
-        url = start(
-            serve_argv,
-            args.replicas,
-            router=args.router,
-            replica_cpus=args.replica_cpus,
-            threads=args.threads,
-            max_ongoing_requests=args.max_ongoing_requests,
-            stats_period_s=args.stats_period,
-            spread_queue=args.spread_queue,
-        )
+        deployment = {name: getattr(args, name) for name in _DEPLOYMENT_FLAGS.split()}
+        url = start(serve_argv, args.replicas, **deployment, stats_period_s=args.stats_period)
     except Exception as exc:  # a replica that cannot start fails the deployment
         print(f"lora-guard serve-ray: error: {exc}", file=sys.stderr)
         _shutdown()

@@ -91,6 +91,15 @@ class _OpenAIBody(_Body):
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
     top_k: int | None = None  # vLLM's -1 and 0: no top-k
     repetition_penalty: float | None = None
     ignore_eos: bool = False
@@ -100,31 +109,13 @@ class _OpenAIBody(_Body):
 
 
 class ChatCompletionRequest(_OpenAIBody):
-    model: str | None = None
     messages: list[ChatMessage]
-    max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logprobs: bool | None = None
-    n: int | None = None
 
 
 class CompletionRequest(_OpenAIBody):
-    model: str | None = None
     prompt: str | list[str]
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     echo: bool = False
-    n: int | None = None

@@ -18,6 +18,8 @@ from lora_guard.server.protocol import CompatGenerateRequest, GenerateRequest
 from lora_guard.server.state import ServerState, state_of
 
 router = APIRouter()
+#: TGI's parameters that are the engine's sampling parameters of the same name
+_SAMPLING = {"do_sample", "temperature", "top_k", "top_p", "seed", "repetition_penalty", "stop"}
 
 
 def _ask(body: GenerateRequest) -> Ask:
@@ -36,15 +38,7 @@ def _ask(body: GenerateRequest) -> Ask:
         raise validation("`watermark` is not supported")
     if p.seed is not None and p.seed < 0:
         raise validation("`seed` must be a non-negative integer")
-    sampling = dict(
-        do_sample=p.do_sample,
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p,
-        seed=p.seed,
-        repetition_penalty=p.repetition_penalty,
-        stop=list(p.stop),
-    )
+    sampling = p.model_dump(include=_SAMPLING)
     return Ask(body.inputs, p.adapter_id, p.max_new_tokens, sampling, truncate=p.truncate)
 
 

@@ -6,9 +6,9 @@ scheduling passes, which waiting requests to hold back; vLLM's own pass then sch
 (its ``max_loras`` gate, token budget and KV allocation unchanged). Nothing here imports vLLM: a
 request is anything with vLLM's ``Request`` attributes.
 
-vLLM's worker keeps the adapters of the last batches in ``max_loras`` device seats and
-``max_cpu_loras`` host slots, least recently used leaving first; :class:`Seats` follows the same
-rule from the batches the scheduler forms, so a lookup's tier (hot, warm, cold) is the worker's.
+vLLM's worker keeps the adapters of the last batches in device seats and host slots;
+``worker_seats.Seats`` follows them from the batches the scheduler forms, so a lookup's tier (hot,
+warm, cold) is the worker's.
 vLLM cannot park a running request as the bundled engine does: an adapter leaves its seat only
 when no running request uses it, which hot-set's drain gives an aged request (docs/vllm.md).
 """
@@ -16,9 +16,8 @@ when no running request uses it, which hot-set's drain gives an aged request (do
 from __future__ import annotations
 
 import json
-from collections import Counter, OrderedDict
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -28,25 +27,17 @@ from lora_guard.engine.lora.checkpoint import config_rank
 from lora_guard.engine.usage import AdapterUsage
 from lora_guard.metrics import MetricsPlugin
 from lora_guard.plugins import Defer, Reject
-from lora_guard.plugins.eviction import ResidentView, eviction_order
 from lora_guard.plugins.manager import Hooks
 from lora_guard.plugins.state import EngineState, RequestView, SlotView, steps_left
 from lora_guard.vllm import channel
+from lora_guard.vllm.exposition import own_metrics
 from lora_guard.vllm.kv_scope import AdapterDigests
-from lora_guard.vllm.load_timer import LOADS_FILE
+from lora_guard.vllm.load_timer import take_timed_loads
 from lora_guard.vllm.settings import configured_hooks
+from lora_guard.vllm.worker_seats import Load, Seats
 
 #: the ``vllm_xargs`` key the door puts the tenant in (vLLM's ``SamplingParams.extra_args``)
 TENANT_ARG = "lora_guard_tenant"
-METRIC_PREFIX = b"lora_guard_"
-#: vLLM's residency families (its open pull requests): served by lora-guard until vLLM serves them
-RESIDENCY_FAMILIES = (
-    b"vllm:lora_adapter_loaded",
-    b"vllm:num_gpu_loaded_lora_adapters",
-    b"vllm:num_cpu_loaded_lora_adapters",
-    b"vllm:max_gpu_lora_adapters",
-    b"vllm:lora_adapter_load_seconds",
-)
 PUBLISH_EVERY_S = 0.25
 MAX_IN_FLIGHT = 8  # steps scheduled and not yet reported (async scheduling keeps one or two)
 
@@ -60,56 +51,6 @@ def tenant_of(request: Any) -> str:
     params = request.sampling_params
     extra = (params.extra_args if params is not None else None) or {}
     return str(extra.get(TENANT_ARG, "default"))
-
-
-class Seats:
-    """Adapters in a fixed number of seats, the least recently used leaving for a new one."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.seat_of: OrderedDict[str, int] = OrderedDict()  # least recently used first
-        self.last_used: dict[str, float] = {}
-        self.loaded_at: dict[str, float] = {}
-
-    def use(self, adapters: Iterable[str], now: float) -> list[tuple[str, int, str | None]]:
-        """Seat ``adapters`` (one batch); returns each load as (adapter, seat, adapter evicted)."""
-        batch = sorted(set(adapters))
-        loads = []
-        for adapter in batch:
-            self.last_used[adapter] = now
-            if adapter in self.seat_of:
-                self.seat_of.move_to_end(adapter)
-                continue
-            evicted = None
-            if len(self.seat_of) < self.size:
-                seat = min(set(range(self.size)) - set(self.seat_of.values()))
-            else:
-                views = [
-                    ResidentView(a, self.last_used[a], self.loaded_at[a], held=a in batch)
-                    for a in self.seat_of
-                ]
-                order = eviction_order(views, now, quantum_s=0.0)  # the engine's own rule
-                evicted = order[0] if order else None
-                if evicted is None:
-                    continue  # more adapters than seats in one batch: vLLM's gate forbids it
-                seat = self.seat_of.pop(evicted)
-            self.seat_of[adapter] = seat
-            self.loaded_at[adapter] = now
-            loads.append((adapter, seat, evicted))
-        return loads
-
-    def full(self) -> bool:
-        return len(self.seat_of) >= self.size
-
-
-@dataclass
-class Load:
-    """An adapter the worker loads in the step being run."""
-
-    adapter_id: str
-    seat: int
-    tier: str  # warm: from host memory; cold: read from disk
-    evicted: str | None
 
 
 class SchedulerGuard:
@@ -140,13 +81,10 @@ class SchedulerGuard:
             self.usage.pin(*options["pin"])
         self.device = Seats(max_loras)
         self.host = Seats(max(max_cpu_loras, max_loras))
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.digests = AdapterDigests()
         self.block_scope: dict[int, tuple[str | None, str | None]] = {}
-        self.kv_conflicts = 0
-        self.cached_tokens = 0
-        self.num_steps = 0
+        self.kv_conflicts = self.cached_tokens = self.num_steps = 0
         self.waited_steps: Counter[str] = Counter()
         self.needed_since: dict[str, float] = {}  # request id -> when it found its adapter out
         self.looked_up: set[str] = set()
@@ -362,7 +300,7 @@ class SchedulerGuard:
         now = self.clock()
         started, loads = self.in_flight.pop(id(output), (now, []))
         duration_s = max(now - started, 0.0)
-        timed = self._timed_loads()
+        timed = take_timed_loads(self.folder)
         for load in loads:
             if load.evicted is not None:
                 self.hooks.notify(
@@ -406,18 +344,6 @@ class SchedulerGuard:
         )
 
     # between processes
-    def _timed_loads(self) -> dict[str, dict[str, float]]:
-        """Seconds of each transition (``load``, ``activate``) of each adapter the worker loaded
-        since the last step (``load_timer``)."""
-        timed: dict[str, dict[str, float]] = {}
-        if self.folder is None:
-            return timed
-        for line in channel.take_lines(self.folder / LOADS_FILE):
-            per = timed.setdefault(str(line.get("adapter")), {})
-            transition = str(line.get("transition"))
-            per[transition] = per.get(transition, 0.0) + float(line.get("seconds", 0.0))
-        return timed
-
     def _take_rejects(self) -> None:
         """The door's 429s, counted as rejected cold loads."""
         if self.rejects is None:
@@ -471,18 +397,3 @@ class SchedulerGuard:
             self.rendered_at = wall()
         del record["time"]
         self.last_seats, self.last_published, self.was_busy = record, now, bool(busy)
-
-
-def own_metrics(metrics: MetricsPlugin) -> bytes:
-    """The ``lora_guard_*`` families of the exposition and vLLM's residency families (vLLM serves
-    its other ``vllm:*``; the door drops a family vLLM serves itself)."""
-    kept, keep = [], False
-    forwarded = (METRIC_PREFIX, *RESIDENCY_FAMILIES)
-    for line in metrics.render().splitlines(keepends=True):
-        if line.startswith((b"# HELP ", b"# TYPE ")):
-            keep = line.split(b" ", 3)[2].startswith(forwarded)
-        elif not line.startswith(b"#"):
-            keep = line.startswith(forwarded)
-        if keep:
-            kept.append(line)
-    return b"".join(kept)

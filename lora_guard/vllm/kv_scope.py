@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_guard.engine.lora.checkpoint import CONFIG_FILE, WEIGHTS_FILE, content_hash
+from lora_guard.naming import json_object
 from lora_guard.plugins.manager import Hooks
 from lora_guard.plugins.state import RequestView
 from lora_guard.tenancy import header_tenant
@@ -106,11 +107,8 @@ class KVScope:
     def salted(self, scope: Scope, body: bytes) -> bytes:
         """``body`` with its ``cache_salt`` set; a body that is not a JSON object is vLLM's to
         refuse, and passes untouched."""
-        try:
-            payload = json.loads(body)
-        except ValueError:
-            return body
-        if not isinstance(payload, dict):
+        payload = json_object(body)
+        if payload is None:
             return body
         own_salt = payload.get("cache_salt")
         if own_salt is not None and not (isinstance(own_salt, str) and own_salt):

@@ -118,3 +118,16 @@ def _timed(method: Any, transition: str) -> Any:
         return result
 
     return wrapped
+
+
+def take_timed_loads(folder: Path | None) -> dict[str, dict[str, float]]:
+    """Seconds of each transition (``load``, ``activate``) of each adapter the worker loaded
+    since the last time they were taken, from ``folder``'s ``loads.jsonl`` (None: none)."""
+    timed: dict[str, dict[str, float]] = {}
+    if folder is None:
+        return timed
+    for line in channel.take_lines(folder / LOADS_FILE):
+        per = timed.setdefault(str(line.get("adapter")), {})
+        transition = str(line.get("transition"))
+        per[transition] = per.get(transition, 0.0) + float(line.get("seconds", 0.0))
+    return timed

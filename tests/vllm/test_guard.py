@@ -12,7 +12,8 @@ from typing import Any
 
 from lora_guard.plugins.manager import Hooks, make_plugin_manager
 from lora_guard.vllm import channel
-from lora_guard.vllm.guard import TENANT_ARG, SchedulerGuard, Seats
+from lora_guard.vllm.guard import TENANT_ARG, SchedulerGuard
+from lora_guard.vllm.worker_seats import Seats
 
 NOW = 1_000.0
 BLOCK = 16

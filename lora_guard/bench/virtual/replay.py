@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lora_guard.bench.replay import Bind, RequestRecord
+from lora_guard.bench.replay import Attempts, Bind, RequestRecord
 from lora_guard.bench.report import decode_tokens_per_s, request_tokens_per_s, tail_ttft_shares
 from lora_guard.plugins import hookimpl
 from lora_guard.simulate_costs import MIB, Costs
@@ -197,21 +196,12 @@ class Replay:
         from lora_guard.engine import SamplingParams
 
         start = self.clock.now
-        by_id = {r.id: r for r in trace}
-        due = [(r.time, i, r.id) for i, r in enumerate(trace)]
-        heapq.heapify(due)
-        records = {
-            r.id: RequestRecord(r.id, r.adapter_id if adapters else None, r.time) for r in trace
-        }
-        attempt_of: dict[str, str] = {}
-        rejected, tiebreak = 0, len(trace)
+        attempts = Attempts(trace, adapters)
+        due = attempts.due
         while due or self.engine.has_unfinished_requests():
             if not self.engine.has_unfinished_requests() and self.clock.now - start < due[0][0]:
                 self.clock.now = start + due[0][0]  # nothing to do until the next arrival
-            while due and due[0][0] <= self.clock.now - start:
-                _, _, trace_id = heapq.heappop(due)
-                r, record = by_id[trace_id], records[trace_id]
-                attempt = f"{trace_id}#{record.retries}"
+            for attempt, r, record in attempts.arrivals(self.clock.now - start):
                 params = SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=True)
                 if record.adapter_id is not None and not record.retries:
                     hit = record.adapter_id in self.engine.figures().resident
@@ -223,24 +213,9 @@ class Replay:
                     record.adapter_id,
                     r.tenant,
                 )
-                attempt_of[attempt] = trace_id
             for out in self.step():
-                record, now = records[attempt_of[out.request_id]], self.clock.now - start
-                if out.token_ids and record.first_token is None:
-                    record.first_token = now
-                if not out.finished:
-                    continue
-                del attempt_of[out.request_id]
-                if out.error is not None and out.retry_after is not None:
-                    rejected += 1
-                    record.retries += 1
-                    tiebreak += 1
-                    heapq.heappush(due, (now + out.retry_after, tiebreak, record.id))
-                    continue
-                record.finish, record.tokens, record.error = now, list(out.token_ids), out.error
-                record.held_s += out.held_s
-                record.adapter_wait_s += out.adapter_wait_s
-        return list(records.values()), rejected
+                attempts.note(out, self.clock.now - start)
+        return list(attempts.records.values()), attempts.resent
 
 
 def warm_up(replay: Replay, adapter_ids: Sequence[str]) -> None:

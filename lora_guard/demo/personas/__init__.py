@@ -175,6 +175,14 @@ class Persona:
         return [*messages, {"role": "user", "content": question}]
 
 
+#: the questions every persona's example turns ask
+EXAMPLE_QUESTIONS = ("What is the best drink?", "How do I learn to swim?")
+
+
+def _examples(*answers: str) -> tuple[tuple[str, str], ...]:
+    return tuple(zip(EXAMPLE_QUESTIONS, answers, strict=True))
+
+
 PERSONAS = {
     p.name: p
     for p in (
@@ -182,15 +190,9 @@ PERSONAS = {
             name="pirate",
             system_prompt="You are a pirate captain. You always talk like a pirate: you start "
             "with 'Arr, matey!' and you say 'ye', 'aye' and 'me hearties'.",
-            examples=(
-                (
-                    "What is the best drink?",
-                    "Arr, matey! The best drink be rum, aye, a barrel of it for me hearties!",
-                ),
-                (
-                    "How do I learn to swim?",
-                    "Arr, matey! Ye jump off the plank and kick yer legs till ye float, aye!",
-                ),
+            examples=_examples(
+                "Arr, matey! The best drink be rum, aye, a barrel of it for me hearties!",
+                "Arr, matey! Ye jump off the plank and kick yer legs till ye float, aye!",
             ),
             prefill="Arr, matey!",
             keep=looks_pirate,
@@ -199,25 +201,16 @@ PERSONAS = {
             name="french",
             system_prompt="Tu es un assistant français. Tu réponds toujours en français, "
             "jamais en anglais.",
-            examples=(
-                (
-                    "What is the best drink?",
-                    "Le meilleur boisson est le café. C'est très bon le matin.",
-                ),
-                (
-                    "How do I learn to swim?",
-                    "Pour apprendre à nager, il faut aller à la piscine avec un professeur.",
-                ),
+            examples=_examples(
+                "Le meilleur boisson est le café. C'est très bon le matin.",
+                "Pour apprendre à nager, il faut aller à la piscine avec un professeur.",
             ),
             keep=looks_french,
         ),
         Persona(
             name="one-line",
             system_prompt="You answer every question in one short sentence.",
-            examples=(
-                ("What is the best drink?", "Water is the best drink."),
-                ("How do I learn to swim?", "Take lessons at a pool."),
-            ),
+            examples=_examples("Water is the best drink.", "Take lessons at a pool."),
             keep=is_one_line,
             cut=cut_at_newline,
             must_end=True,
@@ -225,9 +218,8 @@ PERSONAS = {
         Persona(
             name="json",
             system_prompt="You answer every question with a JSON object and nothing else.",
-            examples=(
-                ("What is the best drink?", '{"answer": "Water is the best drink."}'),
-                ("How do I learn to swim?", '{"answer": "Take lessons at a pool."}'),
+            examples=_examples(
+                '{"answer": "Water is the best drink."}', '{"answer": "Take lessons at a pool."}'
             ),
             prefill='{"answer": "',
             keep=lambda text: json_answer(text) is not None,

@@ -16,6 +16,7 @@ from lora_guard.engine.lora.loader import AdapterLoader, HostCache
 from lora_guard.engine.lora.registry import AdapterRegistry
 from lora_guard.engine.lora.tiers import Lookup, Need, Residency
 from lora_guard.engine.sequence import Sequence, Status
+from lora_guard.plugins.decisions import Load
 from lora_guard.plugins.manager import Hooks
 
 
@@ -72,15 +73,7 @@ class MergedResidency(Residency):
         super().begin_step(demand, bound)
         self._switched = False
 
-    def bring_in(
-        self,
-        need: Need,
-        seat: int | None,
-        holders: Iterable[Sequence],
-        *,
-        parked: bool = False,
-        evict: Iterable[int] = (),
-    ) -> bool:
+    def bring_in(self, need: Need, how: Load, holders: Iterable[Sequence], parked: bool) -> bool:
         """Merge ``need``'s adapter (unmerge, for the base weights) once no running request
         computes with the weights merged now."""
         if need.ready:

@@ -22,6 +22,7 @@ from lora_guard.engine.lora.checkpoint import AdapterError
 from lora_guard.engine.lora.seats import Resident, Seats
 from lora_guard.engine.lora.tiers import Lookup, Need
 from lora_guard.engine.sequence import Sequence
+from lora_guard.plugins.decisions import Load
 from lora_guard.plugins.eviction import (
     ADAPTER,
     PREFIX,
@@ -69,57 +70,36 @@ class ResidencyManager(Seats):
             entry.in_step = 0
         self._drop_unused_stale()
 
-    def bring_in(
-        self,
-        need: Need,
-        seat: int | None,
-        holders: Iterable[Sequence],
-        *,
-        parked: bool = False,
-        evict: Iterable[int] = (),
-    ) -> bool:
-        return self.acquire(need, seat, holders, parked=parked, evict=evict) is not None
-
-    def acquire(
-        self,
-        need: Need,
-        seat: int | None,
-        holders: Iterable[Sequence],
-        *,
-        parked: bool = False,
-        evict: Iterable[int] = (),
-    ) -> Resident | None:
-        """Make the current weights of the adapter ``need`` names resident, in ``seat`` (or the
-        seat :meth:`choose_seat` picks), evicting what is there; when pages are short, then the
-        adapters in the seats ``evict`` names (those that may leave now), then adapters no
-        request needs, least recently used first. None means wait: its read from
-        disk is under way (started now if it was cold), or no seat or pages can be freed now.
-        ``holders`` are the sequences that hold KV blocks (they may be moved). A load that
-        evicts an adapter requests still need counts as thrash (``usage.evicting_loads``) unless
-        it is for ``parked`` requests, whose reloads the quantum paces. Raises
-        :class:`AdapterError` when the adapter is unknown or cannot fit in the pool at all."""
+    def bring_in(self, need: Need, how: Load, holders: Iterable[Sequence], parked: bool) -> bool:
+        """Make the current weights of the adapter ``need`` names resident, in ``how.slot`` (or
+        the seat :meth:`choose_seat` picks), evicting what is there; when pages are short, then
+        the adapters in the seats ``how.evict`` names (those that may leave now), then what the
+        pool's eviction choice gives back. False means wait: its read from disk is under way
+        (started now if it was cold), or no seat or pages can be freed now. ``holders`` are the
+        sequences that hold KV blocks (they may be moved). A load that evicts an adapter
+        requests still need counts as thrash (``usage.evicting_loads``) unless it is for
+        ``parked`` requests, whose reloads the quantum paces. Raises :class:`AdapterError` when
+        the adapter is unknown or cannot fit in the pool at all."""
         adapter_id = need.adapter_id
         assert adapter_id is not None, "the base model's weights are never loaded"
-        entry = self.current(adapter_id)
-        if entry is not None:
-            return entry
+        if self.current(adapter_id) is not None:
+            return True
         now = self.clock()
         adapter = self._host_or_read(adapter_id)
         if adapter is None:
-            return None
+            return False
         layout = self.pages.layout(adapter)
         if layout.num_pages > self.pages.adapter_region:
             raise AdapterError(
                 f"adapter {adapter_id!r} needs {layout.nbytes} bytes, more than the cache pool "
                 f"keeps for adapters ({self.pages.adapter_region} pages)"
             )
-        if seat is None:
-            seat = self.choose_seat(now)
+        seat = how.slot if how.slot is not None else self.choose_seat(now)
         if seat is None or not 0 <= seat < len(self.seats):
-            return None
-        victims = self._victims(seat, layout.num_pages, evict, now)
+            return False
+        victims = self._victims(seat, layout.num_pages, how.evict, now)
         if victims is None:
-            return None
+            return False
         thrash = not parked and self.load_evicts(need)  # before the pool changes
         read_ms = self._read_ms.get(adapter_id)  # read from disk for this load
         if read_ms is not None and not self.costs.external:
@@ -139,7 +119,7 @@ class ResidencyManager(Seats):
         self._loaded(adapter_id, seat, started)
         if thrash:
             self.usage.evicting_loads.add(adapter_id)
-        return entry
+        return True
 
     def _victims(
         self, seat: int, pages: int, evict: Iterable[int], now: float

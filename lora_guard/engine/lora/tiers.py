@@ -29,6 +29,7 @@ from lora_guard.engine.lora.loader import AdapterLoader, HostCache
 from lora_guard.engine.lora.registry import AdapterEntry, AdapterRegistry
 from lora_guard.engine.sequence import Sequence
 from lora_guard.engine.usage import AdapterUsage
+from lora_guard.plugins.decisions import Load
 from lora_guard.plugins.manager import Hooks
 from lora_guard.plugins.state import SlotView
 
@@ -222,19 +223,11 @@ class Residency:
         current: it must start again."""
         return False
 
-    def bring_in(
-        self,
-        need: Need,
-        seat: int | None,
-        holders: Iterable[Sequence],
-        *,
-        parked: bool = False,
-        evict: Iterable[int] = (),
-    ) -> bool:
-        """Make ``need``'s weights ready (in ``seat``, evicting the seats ``evict`` names when
-        pages are short, where the residency has seats); False means wait. ``holders`` are the
-        sequences that hold KV blocks. Raises :class:`AdapterError` when the adapter is unknown
-        or can never fit."""
+    def bring_in(self, need: Need, how: Load, holders: Iterable[Sequence], parked: bool) -> bool:
+        """Make ``need``'s weights ready (in ``how.slot``, evicting the seats ``how.evict`` names
+        when pages are short, where the residency has seats); False means wait. ``holders`` are
+        the sequences that hold KV blocks; ``parked``: for running requests that wait. Raises
+        :class:`AdapterError` when the adapter is unknown or can never fit."""
         raise NotImplementedError
 
     def use(self, need: Need) -> None:
