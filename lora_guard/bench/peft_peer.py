@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from lora_guard.bench.replay import Bind, EngineOptions, RequestRecord, SchemeRun, peak_rss_now
+from lora_guard.bench.load import RequestRecord
+from lora_guard.bench.replay import Bind, EngineOptions, SchemeRun, peak_rss_now
 from lora_guard.clock import monotonic
 from lora_guard.demo.greedy import greedy, left_pad
 from lora_guard.engine.tokens import encode_text

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from lora_guard.bench.load import RequestRecord
 from lora_guard.clock import monotonic
 from lora_guard.engine import LLM, SamplingParams
 from lora_guard.engine.llm_engine import LLMEngine, RequestError
@@ -25,22 +26,6 @@ from lora_guard.plugins.state import RequestView
 from lora_guard.workload.trace import TraceRequest
 
 _IDLE_WAIT_S = 0.001
-
-
-@dataclass
-class RequestRecord:
-    """What a client saw of one request. Times are seconds from the start of the replay."""
-
-    id: str
-    adapter_id: str | None
-    arrival: float
-    first_token: float | None = None
-    finish: float | None = None
-    tokens: list[int] = field(default_factory=list)
-    retries: int = 0
-    error: str | None = None
-    held_s: float = 0.0  # left out of the batch by a policy (in-process replays only)
-    adapter_wait_s: float = 0.0  # waiting for its adapter before its first token (in-process)
 
 
 @dataclass(frozen=True)

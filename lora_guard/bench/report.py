@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lora_guard.bench.replay import RequestRecord, SchemeRun
+from lora_guard.bench.load import RequestRecord
+from lora_guard.bench.replay import SchemeRun
 from lora_guard.workload.bounds import belady_hit_rate, compulsory_hit_bound
 from lora_guard.workload.stats import median, percentile
 

@@ -27,9 +27,10 @@ from typing import Any
 
 import httpx
 
+from lora_guard.bench import load
 from lora_guard.bench.arguments import workload_spec
 from lora_guard.bench.ceiling import Ceiling, machine_share
-from lora_guard.bench.load import Reply, busy_throughput, closed_loop, open_loop
+from lora_guard.bench.load import RequestRecord, busy_throughput, closed_loop, open_loop
 from lora_guard.bench.machine_speed import machine_speed
 from lora_guard.bench.peer_env import PeerError
 from lora_guard.bench.replay import EngineOptions
@@ -79,26 +80,26 @@ class Point:
 
 
 def measure(
-    replies: list[Reply],
+    replies: list[RequestRecord],
     trace: list[TraceRequest],
     clients: int,
     machine_gflops: float | None = None,
 ) -> Point:
     asked = {r.id: r.max_new_tokens for r in trace}
     done = [r for r in replies if r.error is None and r.finish is not None]
-    ttft = [(r.first_token - r.sent) * 1000 for r in done if r.first_token is not None]
-    e2e = [(r.finish - r.sent) * 1000 for r in done if r.finish is not None]
+    ttft = [(r.first_token - (r.sent or 0.0)) * 1000 for r in done if r.first_token is not None]
+    e2e = [(r.finish - (r.sent or 0.0)) * 1000 for r in done if r.finish is not None]
     if clients:
         tokens_per_s, busy = busy_throughput(replies, clients)
     else:
         busy = max((r.finish or 0.0) for r in replies) if replies else 0.0
-        tokens_per_s = sum(r.tokens for r in done) / busy if busy else 0.0
-    mean_tokens = sum(r.tokens for r in done) / len(done) if done else 0.0
+        tokens_per_s = sum(r.generated for r in done) / busy if busy else 0.0
+    mean_tokens = sum(r.generated for r in done) / len(done) if done else 0.0
     return Point(
         clients=clients,
         requests=len(trace),
         completed=len(done),
-        short=sum(1 for r in done if r.tokens < asked[r.id]),
+        short=sum(1 for r in done if r.generated < asked[r.id]),
         retries=sum(r.retries for r in replies),
         tokens_per_s=tokens_per_s,
         requests_per_s=tokens_per_s / mean_tokens if mean_tokens else 0.0,
@@ -163,6 +164,7 @@ def run_system(
     in the run's dtype and each point's FLOPs a token (else the rate in float32 alone)."""
     points: list[Point] = []
     peak = 0
+    route = load.completions(system.body)
     with serving(system.launch, _port(system.launch), log_file) as (server, url):
 
         def extra() -> Iterator[tuple[int, list[TraceRequest]]]:
@@ -171,7 +173,7 @@ def run_system(
 
         for clients, trace in chain(runs, extra()):
             if clients < 0:  # the warm-up
-                failed = [r.error for r in closed_loop(url, trace, 1, system.body) if r.error]
+                failed = [r.error for r in closed_loop(url, trace, 1, route) if r.error]
                 if failed:
                     raise PeerError(f"{system.name}: the warm-up failed: {failed[0]}")
                 continue
@@ -179,9 +181,10 @@ def run_system(
             cached_before = cache_counts(url, system.cache_counters)
             started = monotonic()
             if clients:
-                replies = closed_loop(url, trace, clients, system.body)
+                replies = closed_loop(url, trace, clients, route)
             else:
-                replies = open_loop(url, trace, system.body)
+                with load.client(url, len(trace)) as http:
+                    replies, _ = open_loop(http, trace, route)
             point = measure(replies, trace, clients, speed)
             hit_rate = cache_hit_rate(cached_before, cache_counts(url, system.cache_counters))
             point = replace(point, prefix_cache_hit_rate=hit_rate)

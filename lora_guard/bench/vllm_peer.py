@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import threading
-import time
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -25,11 +23,10 @@ from typing import Any
 
 import httpx
 
-from lora_guard.bench.load import RefusedError, completion_chunks
+from lora_guard.bench import load
 from lora_guard.bench.peer_env import PEERS, PeerError
-from lora_guard.bench.replay import EngineOptions, RequestRecord, SchemeRun
+from lora_guard.bench.replay import EngineOptions, SchemeRun
 from lora_guard.bench.servers import ServerLaunch, serving, shared, tree_rss
-from lora_guard.clock import monotonic
 from lora_guard.workload.trace import TraceRequest
 
 BASE_NAME = "base"
@@ -76,27 +73,19 @@ def replay_vllm(
     with serving(launch, port, log_file) as (server, url):
         _warm_up(url, adapters, encode_text(tokenizer, "Warm-up."))
         prompts = {r.id: encode_text(tokenizer, r.prompt) for r in trace}
-        records = {r.id: RequestRecord(r.id, r.adapter_id, r.time) for r in trace}
-        client = httpx.Client(base_url=url, timeout=httpx.Timeout(900.0))
-        start = monotonic()
-        threads = [
-            threading.Thread(
-                target=_send, args=(client, r, prompts[r.id], records[r.id], start), daemon=True
-            )
-            for r in trace
-        ]
-        for thread in threads:
-            thread.start()
+        route = load.completions(lambda r: {"model": r.adapter_id or BASE_NAME}, prompts)
         peak = 0
-        while any(t.is_alive() for t in threads):
-            time.sleep(0.5)
+
+        def watch(_now: float) -> None:
+            nonlocal peak
             peak = max(peak, tree_rss(server.pid))
-        duration = monotonic() - start
-        client.close()
+
+        with load.client(url, len(trace)) as http:
+            records, duration = load.open_loop(http, trace, route, watch)
     log = log_file.read_text(errors="replace")
     return SchemeRun(
         scheme=peer,
-        records=list(records.values()),
+        records=records,
         swap_ms=[],
         lookups=[],
         slots=peer_options(peer, options, adapters).max_loras if adapters else 0,
@@ -301,33 +290,3 @@ def _warm_up(url: str, adapters: list[str], prompt: list[int]) -> None:
     for model in [BASE_NAME, *adapters]:
         body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
         httpx.post(url + "/v1/completions", json=body, timeout=600).raise_for_status()
-
-
-def _send(
-    client: httpx.Client,
-    request: TraceRequest,
-    prompt: list[int],
-    record: RequestRecord,
-    start: float,
-) -> None:
-    time.sleep(max(0.0, request.time - (monotonic() - start)))
-    body = {
-        "model": request.adapter_id or BASE_NAME,
-        "prompt": prompt,
-        "max_tokens": request.max_new_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "return_token_ids": True,
-    }
-    try:
-        for chunk in completion_chunks(client, body):
-            ids = chunk["choices"][0].get("token_ids") or []
-            if ids and record.first_token is None:
-                record.first_token = monotonic() - start
-            record.tokens.extend(int(i) for i in ids)
-    except RefusedError as exc:
-        record.error = str(exc)
-    except (httpx.HTTPError, ValueError, KeyError) as exc:
-        record.error = f"{type(exc).__name__}: {exc}"
-    record.finish = monotonic() - start

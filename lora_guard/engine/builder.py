@@ -21,7 +21,7 @@ from lora_guard.engine.lora.merged import MergedResidency
 from lora_guard.engine.lora.pool import CachePool
 from lora_guard.engine.lora.registry import AdapterRegistry
 from lora_guard.engine.lora.residency import ResidencyManager
-from lora_guard.engine.lora.tiers import Residency
+from lora_guard.engine.lora.tiers import Residency, Sources
 from lora_guard.engine.model import LlamaModel
 from lora_guard.engine.page_pool import PagePool
 from lora_guard.engine.pool_size import size_pool
@@ -201,20 +201,16 @@ def _residency(
 ) -> Residency:
     """Which adapters the steps compute with: pages in the pool, or weights merged (with a
     static adapter merged for good)."""
-    tiers = (
+    sources = Sources(
+        registry,
         HostCache(config.max_cpu_loras),
         AdapterLoader(spec, config.max_lora_rank, config.torch_lora_dtype),
-        registry,
-        config.max_loras,
     )
+    seats, clock = config.max_loras, config.clock
     if config.lora_mode != "merged":
         quantum_s = config.residency_quantum_ms / 1000
-        return ResidencyManager(
-            pages, *tiers, events=hooks, quantum_s=quantum_s, clock=config.clock
-        )
-    residency = MergedResidency(
-        pages.blocks, *tiers, merge=runner.merge, events=hooks, clock=config.clock
-    )
+        return ResidencyManager(pages, sources, seats, quantum_s, events=hooks, clock=clock)
+    residency = MergedResidency(runner.merge, sources, seats, hooks, clock)
     if config.static_adapter is not None:
         merge_static(residency, config.static_adapter, spec, config)
     return residency

@@ -14,7 +14,7 @@ import pytest
 
 from lora_guard.bench.arguments import add_arguments, workload_spec
 from lora_guard.bench.llama_cpp_peer import SLOT_TOKENS, llama_cpp_launch
-from lora_guard.bench.load import Reply, busy_throughput
+from lora_guard.bench.load import RequestRecord, busy_throughput
 from lora_guard.bench.sweep import (
     Point,
     SweepTraces,
@@ -71,13 +71,20 @@ def test_the_prefix_cache_hit_rate_is_read_between_two_readings() -> None:
     assert cache_hit_rate((1.0, 2.0), (1.0, 2.0)) is None  # no prompt sent
 
 
+def _sent(
+    id: str, sent: float, first: float, finish: float, usage: int, chunks: list[float]
+) -> RequestRecord:
+    """A request sent at ``sent`` whose answer came in ``chunks`` and counted ``usage`` tokens."""
+    return RequestRecord(id, None, sent, first, finish, sent=sent, chunks=chunks, usage=usage)
+
+
 def test_throughput_is_read_while_every_client_is_busy() -> None:
     # two clients; the last request is sent at 2 s, the stragglers drain until 10 s
     replies = [
-        Reply("a", 0.0, 0.1, 1.0, tokens=4, chunks=[0.25, 0.5, 0.75, 1.0]),
-        Reply("b", 0.0, 0.1, 2.0, tokens=4, chunks=[0.5, 1.0, 1.5, 2.0]),
-        Reply("c", 1.0, 1.1, 10.0, tokens=4, chunks=[2.5, 5.0, 7.5, 10.0]),
-        Reply("d", 2.0, 2.1, 10.0, tokens=2, chunks=[6.0, 10.0]),
+        _sent("a", 0.0, 0.1, 1.0, usage=4, chunks=[0.25, 0.5, 0.75, 1.0]),
+        _sent("b", 0.0, 0.1, 2.0, usage=4, chunks=[0.5, 1.0, 1.5, 2.0]),
+        _sent("c", 1.0, 1.1, 10.0, usage=4, chunks=[2.5, 5.0, 7.5, 10.0]),
+        _sent("d", 2.0, 2.1, 10.0, usage=2, chunks=[6.0, 10.0]),
     ]
     tokens_per_s, busy = busy_throughput(replies, clients=2)
     assert busy == 2.0
@@ -86,7 +93,7 @@ def test_throughput_is_read_while_every_client_is_busy() -> None:
 
 def test_a_chunk_count_is_scaled_to_the_servers_token_count() -> None:
     # a server whose last chunk only says "finished": 3 chunks, 2 tokens
-    reply = Reply("a", 0.0, 0.1, 1.0, tokens=2, chunks=[0.1, 0.5, 1.0])
+    reply = _sent("a", 0.0, 0.1, 1.0, usage=2, chunks=[0.1, 0.5, 1.0])
     assert reply.tokens_by(0.5) == pytest.approx(2 * 2 / 3)
     assert reply.tokens_by(1.0) == 2
 

@@ -13,6 +13,7 @@ from lora_guard.engine.lora.loader import HostCache
 from lora_guard.engine.lora.registry import AdapterRegistry
 from lora_guard.engine.lora.residency import ResidencyManager
 from lora_guard.engine.lora.seats import Resident
+from lora_guard.engine.lora.tiers import Sources
 from lora_guard.engine.page_pool import AdapterRun, PagePool
 from lora_guard.plugins.eviction import ResidentView, eviction_order, kv_order, may_leave
 from lora_guard.simulate.fleet import Events, Fleet, Replica, Seat
@@ -35,9 +36,7 @@ def engine_victim(entries: list[tuple[float, float, int]]) -> str | None:
     pages = PagePool(None, BlockManager(num_blocks=8, block_size=4))  # type: ignore[arg-type]
     residency = ResidencyManager(
         pages,
-        HostCache(4),
-        no_loader,  # type: ignore[arg-type]
-        AdapterRegistry(),
+        Sources(AdapterRegistry(), HostCache(4), no_loader),  # type: ignore[arg-type]
         max_loras=len(entries),
         quantum_s=QUANTUM_S,
     )

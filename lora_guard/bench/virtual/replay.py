@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lora_guard.bench.replay import Attempts, Bind, RequestRecord
+from lora_guard.bench.load import RequestRecord
+from lora_guard.bench.replay import Attempts, Bind
 from lora_guard.bench.report import decode_tokens_per_s, request_tokens_per_s, tail_ttft_shares
 from lora_guard.plugins import hookimpl
 from lora_guard.simulate_costs import MIB, Costs

@@ -10,11 +10,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from lora_guard.clock import monotonic, timer
-from lora_guard.engine.kv_cache import BlockManager
 from lora_guard.engine.lora.checkpoint import LoRAAdapter
-from lora_guard.engine.lora.loader import AdapterLoader, HostCache
-from lora_guard.engine.lora.registry import AdapterRegistry
-from lora_guard.engine.lora.tiers import Lookup, Need, Residency
+from lora_guard.engine.lora.tiers import Lookup, Need, Residency, Sources
 from lora_guard.engine.sequence import Sequence, Status
 from lora_guard.plugins.decisions import Load
 from lora_guard.plugins.manager import Hooks
@@ -25,16 +22,13 @@ class MergedResidency(Residency):
 
     def __init__(
         self,
-        blocks: BlockManager,
-        host: HostCache,
-        loader: AdapterLoader,
-        registry: AdapterRegistry,
-        max_loras: int,
         merge: Callable[[LoRAAdapter | None], None],
+        sources: Sources,
+        max_loras: int,
         events: Hooks | None = None,
         clock: Callable[[], float] = monotonic,
     ) -> None:
-        super().__init__(blocks, host, loader, registry, max_loras, events, clock)
+        super().__init__(sources, max_loras, events, clock)
         self.merge = merge
         self.merged: LoRAAdapter | None = None
         self._switched = False  # a switch happened in the step being formed

@@ -20,10 +20,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from lora_guard.clock import monotonic
-from lora_guard.engine.lora.loader import AdapterLoader, HostCache
 from lora_guard.engine.lora.pool import AdapterLayout, LayerWeights
-from lora_guard.engine.lora.registry import AdapterRegistry
-from lora_guard.engine.lora.tiers import Need, Residency
+from lora_guard.engine.lora.tiers import Need, Residency, Sources
 from lora_guard.engine.page_pool import AdapterRun, PagePool
 from lora_guard.engine.sequence import Sequence, Status
 from lora_guard.plugins.eviction import ResidentView, eviction_order, may_leave
@@ -67,16 +65,14 @@ class Seats(Residency):
     def __init__(
         self,
         pages: PagePool,
-        host: HostCache,
-        loader: AdapterLoader,
-        registry: AdapterRegistry,
+        sources: Sources,
         max_loras: int,
         quantum_s: float = 1.0,
         events: Hooks | None = None,
         clock: Callable[[], float] = monotonic,
     ) -> None:
-        super().__init__(pages.blocks, host, loader, registry, max_loras, events, clock)
-        self.pages, self.quantum_s = pages, quantum_s
+        super().__init__(sources, max_loras, events, clock)
+        self.pages, self.blocks, self.quantum_s = pages, pages.blocks, quantum_s
         self.seats = [None] * max(self.max_loras, 1)
 
     def _forget(self, adapter_id: str) -> None:

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 from lora_guard.clock import monotonic, timer
 from lora_guard.engine.cost_meter import CostMeter
-from lora_guard.engine.kv_cache import BlockManager
 from lora_guard.engine.lora.checkpoint import AdapterError, LoRAAdapter, files_stamp
 from lora_guard.engine.lora.loader import AdapterLoader, HostCache
 from lora_guard.engine.lora.registry import AdapterEntry, AdapterRegistry
@@ -71,6 +70,16 @@ class Need:
     resident: Resident | None = None
 
 
+@dataclass(frozen=True)
+class Sources:
+    """Where adapters' weights come from: the registry (ids to folders), host memory (the warm
+    tier) and the loader thread that reads folders (the cold one)."""
+
+    registry: AdapterRegistry
+    host: HostCache
+    loader: AdapterLoader
+
+
 class Residency:
     """The registry, the host tier and the disk reads, and the questions the scheduler asks."""
 
@@ -78,16 +87,13 @@ class Residency:
 
     def __init__(
         self,
-        blocks: BlockManager,
-        host: HostCache,
-        loader: AdapterLoader,
-        registry: AdapterRegistry,
+        sources: Sources,
         max_loras: int,
         events: Hooks | None = None,
         clock: Callable[[], float] = monotonic,
     ) -> None:
-        self.blocks, self.host, self.loader = blocks, host, loader
-        self.registry, self.events, self.clock = registry, events, clock
+        self.host, self.loader = sources.host, sources.loader
+        self.registry, self.events, self.clock = sources.registry, events, clock
         self.max_loras = max_loras  # 0: no seat cap
         self.seats: list[Resident | None] = []
         self.usage = AdapterUsage(max_loras, clock=clock)  # pins, heat and recent loads
