@@ -15,6 +15,7 @@ from lora_guard.bench.vllm_peer import (
     BASE_NAME,
     LAYOUTS,
     RESERVED,
+    Placement,
     system_tcmalloc,
     vllm_launch,
     vllm_mode,
@@ -40,7 +41,7 @@ def test_the_peer_runs_with_its_libraries_preloaded(
         max_num_seqs=4,
     )
     port = free_port()
-    launch = vllm_launch(vllm_python, options, [adapter.name], port, layout=layout)
+    launch = vllm_launch(vllm_python, options, [adapter.name], port, Placement(layout))
     log = tmp_path / "vllm.log"
     server = start_server(launch, log)
     try:

@@ -73,12 +73,13 @@ def _vllm(reserved: bool) -> Callable[[EngineOptions, list[str], int, Log], Syst
             ALL_CORES,
             BASE_NAME,
             RESERVED,
+            Placement,
             peer_python,
             vllm_launch,
         )
 
         layout = RESERVED if reserved else ALL_CORES
-        launch = vllm_launch(peer_python(log=log), options, adapters, port, layout=layout)
+        launch = vllm_launch(peer_python(log=log), options, adapters, port, Placement(layout))
         counters = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
         name = "vllm-reserved" if reserved else "vllm"
         return System(name, launch, _by_model(BASE_NAME), counters)

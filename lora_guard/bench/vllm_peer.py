@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -123,18 +123,26 @@ def peer_launch(
     return launch
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where vLLM runs on this machine: its core ``layout``, the ``cores`` it computes on (None:
+    every one this process may use) and the ``tcmalloc`` library it preloads (None: the
+    machine's own, if installed)."""
+
+    layout: str = ALL_CORES
+    cores: frozenset[int] | None = None
+    tcmalloc: Path | None = None
+
+
 def vllm_launch(
     python: Path,
     options: EngineOptions,
     adapters: list[str],
     port: int,
-    cores: set[int] | None = None,
-    tcmalloc: Path | None = None,
-    layout: str = ALL_CORES,
+    at: Placement = Placement(),
 ) -> ServerLaunch:
     """The command and environment that start vLLM on ``port`` for ``options`` and ``adapters``,
-    as its CPU documentation asks; ``cores`` are the CPUs to compute on (by default every one this
-    process may use).
+    as its CPU documentation asks, placed on the machine as ``at`` says.
 
     - ``layout`` :data:`ALL_CORES`: ``VLLM_CPU_OMP_THREADS_BIND``, its compute threads on those
       cores (the cores lora-guard computes on), and ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``; layout
@@ -149,8 +157,8 @@ def vllm_launch(
       the ``libiomp5.so`` that ``intel-openmp`` (a ``vllm-cpu`` dependency) puts in its
       environment's ``lib``.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown core layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+    if at.layout not in LAYOUTS:
+        raise ValueError(f"unknown core layout {at.layout!r}; choose from {', '.join(LAYOUTS)}")
     from lora_guard.engine.values import parse_memory
 
     command = [
@@ -186,12 +194,13 @@ def vllm_launch(
             *(f"{a}={Path(options.adapter_dir) / a}" for a in adapters),
         ]
     environment = {}
-    if layout == ALL_CORES:
+    if at.layout == ALL_CORES:
+        cores = at.cores if at.cores is not None else _my_cores()
         environment = {
-            "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cores if cores is not None else _my_cores()),
+            "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cores),
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         }
-    tcmalloc = tcmalloc if tcmalloc is not None else system_tcmalloc()
+    tcmalloc = at.tcmalloc if at.tcmalloc is not None else system_tcmalloc()
     iomp = python.parent.parent / "lib" / "libiomp5.so"
     preload = [str(p) for p in (tcmalloc, iomp) if p is not None and p.exists()]
     if preload:
@@ -256,7 +265,7 @@ def guard_launch(
     return ServerLaunch(command, environment)
 
 
-def cpu_list(cores: set[int]) -> str:
+def cpu_list(cores: Iterable[int]) -> str:
     """``{0, 1, 2, 5}`` as Linux writes CPU lists: ``0-2,5``."""
     runs: list[list[int]] = []
     for core in sorted(cores):

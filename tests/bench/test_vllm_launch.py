@@ -9,6 +9,7 @@ import pytest
 
 from lora_guard.bench.replay import EngineOptions
 from lora_guard.bench.vllm_peer import (
+    Placement,
     cpu_list,
     guard_launch,
     peer_launch,
@@ -18,6 +19,7 @@ from lora_guard.bench.vllm_peer import (
 )
 from lora_guard.engine.values import parse_memory
 
+ONE, TWO = frozenset({0}), frozenset({0, 1})
 OPTIONS = EngineOptions(
     model="/models/m",
     adapter_dir="/adapters",
@@ -32,7 +34,7 @@ def flag(command: list[str], name: str) -> str:
 
 
 def test_the_launch_binds_every_core_and_gives_our_kv_space() -> None:
-    launch = vllm_launch(Path("/venv/bin/python"), OPTIONS, ["a", "b"], 8701, cores={0, 1})
+    launch = vllm_launch(Path("/venv/bin/python"), OPTIONS, ["a", "b"], 8701, Placement(cores=TWO))
     assert launch.environment["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     assert launch.environment["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert int(flag(launch.command, "--kv-cache-memory-bytes")) == parse_memory("768MiB")
@@ -43,7 +45,7 @@ def test_the_launch_binds_every_core_and_gives_our_kv_space() -> None:
 
 
 def test_the_guarded_peer_adds_lora_guards_scheduler_door_and_the_benchs_budget() -> None:
-    plain = vllm_launch(Path("/venv/bin/python"), OPTIONS, ["a", "b"], 8701, cores={0, 1})
+    plain = vllm_launch(Path("/venv/bin/python"), OPTIONS, ["a", "b"], 8701, Placement(cores=TWO))
     guarded = guard_launch(plain, OPTIONS, Path("/scratch/channel"), {})
     assert guarded.command[: len(plain.command)] == plain.command  # vLLM tuned the same way
     assert flag(guarded.command, "--scheduler-cls") == "lora_guard.vllm.AsyncScheduler"
@@ -84,21 +86,23 @@ def test_tcmalloc_and_intel_openmp_are_preloaded_as_the_docs_ask(tmp_path: Path)
     python = tmp_path / "venv" / "bin" / "python"  # intel-openmp puts libiomp5.so in venv/lib
     (tmp_path / "venv" / "lib").mkdir(parents=True)
     (tmp_path / "venv" / "lib" / "libiomp5.so").touch()
-    with_it = vllm_launch(python, OPTIONS, [], 8701, cores={0}, tcmalloc=library)
+    with_it = vllm_launch(python, OPTIONS, [], 8701, Placement(cores=ONE, tcmalloc=library))
     iomp = tmp_path / "venv" / "lib" / "libiomp5.so"
     assert with_it.environment["LD_PRELOAD"] == f"{library}:{iomp}"
     assert "--enable-lora" not in with_it.command  # no adapters: the base model alone
-    missing = vllm_launch(Path("python"), OPTIONS, [], 8701, tcmalloc=tmp_path / "none.so")
+    missing = vllm_launch(
+        Path("python"), OPTIONS, [], 8701, Placement(tcmalloc=tmp_path / "none.so")
+    )
     assert "LD_PRELOAD" not in missing.environment  # nothing named that is not there
 
 
 def test_the_documented_layout_keeps_a_core_for_the_serving_process() -> None:
-    launch = vllm_launch(Path("/venv/bin/python"), OPTIONS, ["a"], 8701, layout="reserved")
+    launch = vllm_launch(Path("/venv/bin/python"), OPTIONS, ["a"], 8701, Placement("reserved"))
     # vLLM's own default: it binds its threads itself and keeps a core back
     assert "VLLM_CPU_OMP_THREADS_BIND" not in launch.environment
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in launch.environment
     with pytest.raises(ValueError, match="unknown core layout"):
-        vllm_launch(Path("/venv/bin/python"), OPTIONS, ["a"], 8701, layout="half")
+        vllm_launch(Path("/venv/bin/python"), OPTIONS, ["a"], 8701, Placement("half"))
 
 
 def test_a_degraded_vllm_run_shows_in_its_mode() -> None:
@@ -136,7 +140,7 @@ def test_the_report_writes_paths_under_the_home_as_the_variable(
 ) -> None:
     monkeypatch.setenv("LORA_GUARD_HOME", str(tmp_path))
     options = EngineOptions(model=str(tmp_path / "demo" / "model"), adapter_dir="/elsewhere")
-    shown = vllm_launch(Path("python"), options, ["a"], 8701, cores={0}).as_json()
+    shown = vllm_launch(Path("python"), options, ["a"], 8701, Placement(cores=ONE)).as_json()
     assert "$LORA_GUARD_HOME/demo/model" in shown["command"]
     assert "a=/elsewhere/a" in shown["command"]  # a path outside it stays as given
     assert not any(str(tmp_path) in arg for arg in shown["command"])
