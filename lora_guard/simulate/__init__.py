@@ -21,8 +21,12 @@ Routers: ``lora-guard`` (``serve_ray.ranking``: affinity, room to load, spread, 
 ``ray-multiplex`` (Ray Serve's multiplexed ranking: replicas that report the model, then those with
 the fewest models, power of two choices within a rank) and ``power-of-two`` (no affinity).
 
-Not modelled: the guard policies (hot set, cold-load budget: the replicas decide as the ``lru``
-policy does), the KV pool's size (no preemption), the prefix cache.
+Not modelled: the policies (the replicas decide as the engine does with none asked: its own
+eviction order, ``plugins.eviction.eviction_order``, which lets an adapter requests still need
+leave once its quantum is over, where the ``lru`` policy takes only adapters no running request
+uses), the KV pool's size (no preemption), the prefix cache. Questions about one replica (its
+policies, its pool) are virtual time's (``lora_guard.bench.virtual_time``), which runs the engine
+itself on a virtual clock.
 
 Its parts: ``fleet`` (the replicas and the events that drive them), ``routers``, ``run`` (one
 simulation and its result), ``command`` (the command line).
