@@ -61,6 +61,11 @@ def setting(
     return field(default=default, metadata=metadata)
 
 
+def count(default: int | None, least: int, help: str, **more: Any) -> Any:
+    """A setting that counts something: a whole number of at least ``least``."""
+    return setting(default, help=help, check=at_least(least), metavar="N", **more)
+
+
 @dataclass(frozen=True, slots=True)
 class Order:
     """``low <= high`` between two settings (``low < high`` when ``strict``); None passes. With
@@ -130,26 +135,22 @@ class EngineConfig:
         "{dtype})",
         check=dtype_name,
     )
-    max_loras: int = setting(
+    max_loras: int = count(
         0,
-        help="most adapters resident in the cache pool at once; 0: no "
-        "cap, the pool's pages alone bound them",
-        check=at_least(0),
-        metavar="N",
+        0,
+        "most adapters resident in the cache pool at once; 0: no cap, the pool's pages alone "
+        "bound them",
     )
-    max_cpu_loras: int = setting(
+    max_cpu_loras: int = count(
         32,
-        help="adapters kept in host memory; left at its default it "
-        "is raised to {max_loras}, set lower it is an error",
-        check=at_least(1),
-        metavar="N",
+        1,
+        "adapters kept in host memory; left at its default it is raised to {max_loras}, set lower "
+        "it is an error",
     )
-    max_lora_rank: int = setting(
+    max_lora_rank: int = count(
         64,
-        help="largest adapter rank accepted (adapters take pages for "
-        "their own ranks, never this one)",
-        check=at_least(1),
-        metavar="N",
+        1,
+        "largest adapter rank accepted (adapters take pages for their own ranks, never this one)",
     )
     cache_memory: int | str | None = setting(
         None,
@@ -214,20 +215,14 @@ class EngineConfig:
         help="reuse KV blocks of shared prefixes (within one namespace)",
         flag="no_prefix_caching",
     )
-    max_batch_tokens: int = setting(
-        2048,
-        help="tokens per engine step, prefill and decode together; at least {block_size}",
-        check=at_least(1),
-        metavar="N",
+    max_batch_tokens: int = count(
+        2048, 1, "tokens per engine step, prefill and decode together; at least {block_size}"
     )
-    max_num_seqs: int = setting(
-        64, help="sequences in the running batch at once", check=at_least(1), metavar="N"
-    )
-    max_model_len: int | None = setting(
+    max_num_seqs: int = count(64, 1, "sequences in the running batch at once")
+    max_model_len: int | None = count(
         None,
-        help="longest prompt + generated tokens of one request",
-        check=at_least(2),
-        metavar="N",
+        2,
+        "longest prompt + generated tokens of one request",
         shown="the model's context length",
         flag="max_total_tokens",
     )

@@ -91,15 +91,6 @@ class _OpenAIBody(_Body):
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int | None = None
     top_k: int | None = None  # vLLM's -1 and 0: no top-k
     repetition_penalty: float | None = None
     ignore_eos: bool = False
@@ -108,14 +99,37 @@ class _OpenAIBody(_Body):
     skip_special_tokens: bool = True
 
 
-class ChatCompletionRequest(_OpenAIBody):
+class _Sampled(BaseModel):
+    """The sampling fields both OpenAI routes take, after the route's own model and input (a
+    mixin: a request's fields come in the order its schema shows)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class _Chat(_OpenAIBody):
+    model: str | None = None
     messages: list[ChatMessage]
+
+
+class ChatCompletionRequest(_Sampled, _Chat):
     max_completion_tokens: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logprobs: bool | None = None
+    n: int | None = None
 
 
-class CompletionRequest(_OpenAIBody):
+class _Completion(_OpenAIBody):
+    model: str | None = None
     prompt: str | list[str]
+
+
+class CompletionRequest(_Sampled, _Completion):
     echo: bool = False
+    n: int | None = None
