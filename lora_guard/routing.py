@@ -62,6 +62,7 @@ class AffinityRanker:
         if adapter_id is None:  # the base model: any replica, shortest queue first
             return [[r.replica_id for r in sorted(replicas, key=_queue)]] if replicas else []
         self._expire()
+        self._forget_gone(replicas)
         holding = {r.replica_id: r for r in replicas if self.holds(r, adapter_id)}
         spread = bool(holding) and all(r.queue_len >= self.spread_queue for r in holding.values())
         tiers: list[list[ReplicaView]] = [[], [], [], []]
@@ -132,6 +133,18 @@ class AffinityRanker:
             del self._leaving[key]
             return False
         return True
+
+    def _forget_gone(self, replicas: Sequence[ReplicaView]) -> None:
+        """When each adapter was last routed matters only where it is held: forget the rest of
+        what ``replicas`` report, so the record stays the size of their resident sets."""
+        shown = {r.replica_id: r.resident for r in replicas}
+        gone = [
+            (rid, a)
+            for rid, a in self._last_routed
+            if rid in shown and a not in shown[rid] and (rid, a) not in self._loading
+        ]
+        for key in gone:
+            del self._last_routed[key]
 
     def _expire(self) -> None:
         now = self.clock()

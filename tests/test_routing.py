@@ -51,6 +51,18 @@ def test_a_hot_adapter_spreads_to_replicas_with_room_when_its_queues_grow() -> N
     assert AffinityRanker(spread_queue=5).rank("a", replicas)[0] == ["holder"]
 
 
+def test_the_ranker_remembers_only_the_adapters_its_replicas_hold_or_load() -> None:
+    clock = Clock()
+    ranker = AffinityRanker(reservation_s=1.0, clock=clock)
+    for i in range(500):  # a stream of adapters, each used once, each evicted after
+        replica = view("r0", {f"a{i}"}, free=0)
+        ranker.rank(f"a{i}", [replica])
+        ranker.routed(f"a{i}", replica)
+        clock.now += 2.0
+    ranker.rank("a499", [view("r0", {"a499"})])
+    assert len(ranker._last_routed) <= 2
+
+
 def test_a_routed_cold_load_is_reserved_until_the_replica_reports_it_or_it_expires() -> None:
     clock = Clock()
     ranker = AffinityRanker(reservation_s=10.0, clock=clock)
