@@ -7,18 +7,18 @@ tokens or an error, and the record says how many retries it took.
 
 from __future__ import annotations
 
-import heapq
 import resource
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from lora_guard.bench.load import RequestRecord
+from lora_guard.bench.replay_loop import replay_loop
 from lora_guard.clock import monotonic
 from lora_guard.engine import LLM, SamplingParams
-from lora_guard.engine.llm_engine import LLMEngine, RequestError
+from lora_guard.engine.llm_engine import LLMEngine
 from lora_guard.engine.lora.registry import scan_adapter_dir
 from lora_guard.engine.outputs import RequestOutput, StepRecord
 from lora_guard.plugins import hookimpl
@@ -152,7 +152,8 @@ def replay_scheme(
     engine.hooks.pm.register(recorder, name="bench-lookups")
     memory = MemoryWatch(engine)
     steps: list[StepRecord] = []
-    records = _replay(engine, trace, start, memory, steps)
+    attempts = replay_loop(engine, trace, _WallClock(engine, start, memory, steps))
+    records = list(attempts.records.values())
     duration = monotonic() - start
     engine.check_no_leaks()
     cold_after, after = _cold_load_counts(engine), engine.figures()
@@ -178,6 +179,33 @@ def replay_scheme(
     return run
 
 
+class _WallClock:
+    """The replay on the machine's clock: idle time slept, each step's record kept in ``steps``
+    (the engine keeps only its recent ones), the engine's memory sampled after each."""
+
+    def __init__(
+        self, engine: LLMEngine, start: float, memory: MemoryWatch, steps: list[StepRecord]
+    ) -> None:
+        self.engine, self.start, self.memory, self.steps = engine, start, memory, steps
+
+    def now(self) -> float:
+        return monotonic() - self.start
+
+    def idle(self, until: float | None) -> None:
+        wait = until - self.now() if until is not None else _IDLE_WAIT_S
+        time.sleep(min(max(wait, 0.0), 0.05))
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine.step()
+        self.memory.sample()
+        recent = self.engine.stats.recent_steps
+        if recent and (not self.steps or recent[-1].step > self.steps[-1].step):
+            self.steps.append(recent[-1])
+        if not outputs:
+            time.sleep(_IDLE_WAIT_S)  # waiting for an adapter read
+        return outputs
+
+
 def _warm_up(llm: LLM, trace: list[TraceRequest]) -> None:
     """One short request per adapter of the trace, not measured: the scheme starts as a server
     that has been up a while, not with every adapter's first read from disk."""
@@ -187,95 +215,6 @@ def _warm_up(llm: LLM, trace: list[TraceRequest]) -> None:
 
 def _served_by(request: TraceRequest, adapter: str | None) -> TraceRequest:
     return replace(request, adapter_id=adapter)
-
-
-class Attempts:
-    """A trace's requests on their way through an engine: each arrival, and each 429 sent again
-    once its retry-after has passed, is an attempt ``<id>#<retries>`` of the request's own."""
-
-    def __init__(self, trace: Sequence[TraceRequest], adapters: bool = True) -> None:
-        self.records = {
-            r.id: RequestRecord(r.id, r.adapter_id if adapters else None, r.time) for r in trace
-        }
-        self.requests = {r.id: r for r in trace}
-        self.due = [(r.time, i, r.id) for i, r in enumerate(trace)]  # (time, tiebreak, id)
-        heapq.heapify(self.due)
-        self.attempt_of: dict[str, str] = {}  # engine request id -> trace id
-        self.open = len(trace)  # requests without their tokens or their error yet
-        self.resent = 0  # 429s sent again
-        self._tiebreak = len(trace)
-
-    def arrivals(self, now: float) -> Iterator[tuple[str, TraceRequest, RequestRecord]]:
-        """The attempts due by ``now``: each one's engine request id, request and record."""
-        while self.due and self.due[0][0] <= now:
-            _, _, trace_id = heapq.heappop(self.due)
-            record = self.records[trace_id]
-            attempt = f"{trace_id}#{record.retries}"
-            self.attempt_of[attempt] = trace_id
-            yield attempt, self.requests[trace_id], record
-
-    def refused(self, attempt: str, error: str, now: float) -> None:
-        """The engine would not take ``attempt``: its request ends in ``error``."""
-        record = self.records[self.attempt_of.pop(attempt)]
-        record.error, record.finish = error, now
-        self.open -= 1
-
-    def note(self, out: RequestOutput, now: float) -> None:
-        """An engine output of an attempt, ``now`` seconds into the replay."""
-        record = self.records[self.attempt_of[out.request_id]]
-        if out.token_ids and record.first_token is None:
-            record.first_token = now
-        if not out.finished:
-            return
-        del self.attempt_of[out.request_id]
-        if out.error is not None and out.retry_after is not None:
-            record.retries += 1
-            self.resent += 1
-            self._tiebreak += 1
-            heapq.heappush(self.due, (now + out.retry_after, self._tiebreak, record.id))
-            return
-        record.finish, record.tokens, record.error = now, list(out.token_ids), out.error
-        record.held_s += out.held_s
-        record.adapter_wait_s += out.adapter_wait_s
-        self.open -= 1
-
-
-def _replay(
-    engine: LLMEngine,
-    trace: list[TraceRequest],
-    start: float,
-    memory: MemoryWatch,
-    steps: list[StepRecord] | None = None,
-) -> list[RequestRecord]:
-    """Replay ``trace`` in real time; every step's record is added to ``steps`` (the engine
-    keeps only its recent ones)."""
-    attempts = Attempts(trace)
-    while attempts.open:
-        now = monotonic() - start
-        for attempt, request, _ in attempts.arrivals(now):
-            params = SamplingParams(max_new_tokens=request.max_new_tokens, ignore_eos=True)
-            try:
-                engine.add_request(
-                    attempt, request.prompt, params, request.adapter_id, tenant_id=request.tenant
-                )
-            except RequestError as exc:
-                attempts.refused(attempt, str(exc), now)
-        if not engine.has_unfinished_requests():
-            wait = (attempts.due[0][0] - now) if attempts.due else _IDLE_WAIT_S
-            time.sleep(min(max(wait, 0.0), 0.05))
-            continue
-        outputs = engine.step()
-        memory.sample()
-        if steps is not None and engine.stats.recent_steps:
-            last = engine.stats.recent_steps[-1]
-            if not steps or last.step > steps[-1].step:
-                steps.append(last)
-        now = monotonic() - start
-        for out in outputs:
-            attempts.note(out, now)
-        if not outputs:
-            time.sleep(_IDLE_WAIT_S)  # waiting for an adapter read
-    return list(attempts.records.values())
 
 
 class MemoryWatch:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lora_guard.bench.load import RequestRecord
-from lora_guard.bench.replay import Attempts, Bind
+from lora_guard.bench.replay import Bind
+from lora_guard.bench.replay_loop import replay_loop
 from lora_guard.bench.report import decode_tokens_per_s, request_tokens_per_s, tail_ttft_shares
 from lora_guard.plugins import hookimpl
 from lora_guard.simulate_costs import MIB, Costs
@@ -116,6 +117,7 @@ class Replay:
         scale: float,
     ) -> None:
         self.llm, self.engine, self.clock, self.costs = llm, llm.engine, clock, costs
+        self.start = clock.now  # when the replay began (set again by ``run``)
         self.scale = scale  # bytes on the profile's model per byte on this one
         self.writes = _Writes(adapter_mib, self.engine)
         self.engine.hooks.pm.register(self.writes, name="virtual-time-writes")
@@ -194,29 +196,31 @@ class Replay:
 
     def run(self, trace: Sequence[TraceRequest], adapters: bool) -> tuple[list[RequestRecord], int]:
         """Replay ``trace``; the records, and how many answers were 429s (each sent again)."""
-        from lora_guard.engine import SamplingParams
-
-        start = self.clock.now
-        attempts = Attempts(trace, adapters)
-        due = attempts.due
-        while due or self.engine.has_unfinished_requests():
-            if not self.engine.has_unfinished_requests() and self.clock.now - start < due[0][0]:
-                self.clock.now = start + due[0][0]  # nothing to do until the next arrival
-            for attempt, r, record in attempts.arrivals(self.clock.now - start):
-                params = SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=True)
-                if record.adapter_id is not None and not record.retries:
-                    hit = record.adapter_id in self.engine.figures().resident
-                    self.arrivals.append((record.adapter_id, hit))
-                self.engine.add_request(
-                    attempt,
-                    self.llm.tokenizer.encode(r.prompt),
-                    params,
-                    record.adapter_id,
-                    r.tenant,
-                )
-            for out in self.step():
-                attempts.note(out, self.clock.now - start)
+        self.start = self.clock.now
+        attempts = replay_loop(
+            self.engine,
+            trace,
+            self,
+            adapters,
+            arrived=self._arrived,
+            prompt=lambda r: self.llm.tokenizer.encode(r.prompt),
+        )
         return list(attempts.records.values()), attempts.resent
+
+    # the replay's clock (``replay_loop.ReplayClock``)
+    def now(self) -> float:
+        return self.clock.now - self.start
+
+    def idle(self, until: float | None) -> None:
+        """Nothing runs until the next arrival: the clock jumps to it."""
+        if until is not None:
+            self.clock.now = max(self.clock.now, self.start + until)
+
+    def _arrived(self, record: RequestRecord) -> None:
+        if record.adapter_id is not None:
+            self.arrivals.append(
+                (record.adapter_id, record.adapter_id in self.engine.figures().resident)
+            )
 
 
 def warm_up(replay: Replay, adapter_ids: Sequence[str]) -> None:
