@@ -191,9 +191,8 @@ class _WallClock:
     def now(self) -> float:
         return monotonic() - self.start
 
-    def idle(self, until: float | None) -> None:
-        wait = until - self.now() if until is not None else _IDLE_WAIT_S
-        time.sleep(min(max(wait, 0.0), 0.05))
+    def idle(self, until: float) -> None:
+        time.sleep(min(max(until - self.now(), 0.0), 0.05))
 
     def step(self) -> list[RequestOutput]:
         outputs = self.engine.step()
@@ -202,7 +201,7 @@ class _WallClock:
         if recent and (not self.steps or recent[-1].step > self.steps[-1].step):
             self.steps.append(recent[-1])
         if not outputs:
-            time.sleep(_IDLE_WAIT_S)  # waiting for an adapter read
+            time.sleep(_IDLE_WAIT_S)  # waiting for an adapter read, or for the next arrival
         return outputs
 
 

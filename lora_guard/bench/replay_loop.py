@@ -25,8 +25,8 @@ class ReplayClock(Protocol):
     def now(self) -> float:
         """Seconds since the replay began."""
 
-    def idle(self, until: float | None) -> None:
-        """Nothing to run until ``until`` (the next attempt's time; None: a read from disk)."""
+    def idle(self, until: float) -> None:
+        """Nothing to run before ``until``, the next attempt's time (it may come sooner)."""
 
     def step(self) -> list[RequestOutput]:
         """One engine step, and the time it takes."""
@@ -45,6 +45,9 @@ def replay_loop(
     sent of it."""
     attempts = Attempts(trace, adapters)
     while attempts.open:
+        due = attempts.due[0][0] if attempts.due else None
+        if not engine.has_unfinished_requests() and due is not None and due > clock.now():
+            clock.idle(due)
         now = clock.now()
         for attempt, request, record in attempts.arrivals(now):
             if not record.retries:
@@ -56,10 +59,7 @@ def replay_loop(
                 )
             except RequestError as exc:
                 attempts.refused(attempt, str(exc), now)
-        if not engine.has_unfinished_requests():
-            clock.idle(attempts.due[0][0] if attempts.due else None)
-            continue
-        outputs = clock.step()
+        outputs = clock.step()  # answers given as requests were added (a 429) come here too
         now = clock.now()
         for out in outputs:
             attempts.note(out, now)

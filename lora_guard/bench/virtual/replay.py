@@ -211,10 +211,9 @@ class Replay:
     def now(self) -> float:
         return self.clock.now - self.start
 
-    def idle(self, until: float | None) -> None:
+    def idle(self, until: float) -> None:
         """Nothing runs until the next arrival: the clock jumps to it."""
-        if until is not None:
-            self.clock.now = max(self.clock.now, self.start + until)
+        self.clock.now = self.start + until
 
     def _arrived(self, record: RequestRecord) -> None:
         if record.adapter_id is not None:
