@@ -22,7 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lora_guard.bench.peer_env import PEERS, PeerError
+from lora_guard.bench.replay import EngineOptions
 from lora_guard.bench.servers import ServerLaunch
+from lora_guard.bench.systems import Log, System, by_lora_list
 
 SLOT_TOKENS = 1024  # context per parallel slot: the trace's prompt and output fit with room
 _SOURCE_PARTS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "gguf-py/", "conversion/")
@@ -223,3 +225,15 @@ def _run(cmd: list[str], env: dict[str, str] | None = None) -> None:
 
 if __name__ == "__main__":  # python -m lora_guard.bench.llama_cpp_peer: where llama-server is
     print(server_binary(llama_cpp_python(print)), file=sys.stdout)
+
+
+def sweep_system(options: EngineOptions, adapters: list[str], port: int, log: Log) -> System:
+    """llama-server in the capacity sweep: the model and adapters converted to GGUF in the run's
+    dtype, one slot per client of the largest point."""
+    model = Path(options.model)
+    python = llama_cpp_python(log)
+    base, files = gguf_files(python, model, Path(options.adapter_dir), adapters, options.dtype, log)
+    launch = llama_cpp_launch(
+        server_binary(python), base, files, port, parallel=options.max_num_seqs, bos=adds_bos(model)
+    )
+    return System("llama.cpp", launch, by_lora_list(adapters))

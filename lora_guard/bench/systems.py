@@ -14,10 +14,10 @@ checkpoint, adapters, dtype, cores and KV space where the server lets it be set.
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from lora_guard.bench.load import Body
 from lora_guard.bench.replay import EngineOptions
@@ -38,6 +38,8 @@ class System:
 
 
 Log = Callable[[str], None]
+#: starts a system on the sweep's checkpoint, adapters, dtype and port
+Make = Callable[[EngineOptions, list[str], int, Log], "System"]
 
 
 def _python_server(program: list[str], options: EngineOptions, port: int) -> list[str]:
@@ -56,7 +58,7 @@ def _lora_guard(options: EngineOptions, adapters: list[str], port: int, log: Log
         command += ["--max-loras", str(options.max_loras)]
     counters = ("lora_guard_prefix_cache_hit_tokens_total", "tgi_request_input_length_sum")
     # "tgi": its base model's alias
-    return System("lora-guard", ServerLaunch(command, {}), _by_model("tgi"), counters)
+    return System("lora-guard", ServerLaunch(command, {}), by_model("tgi"), counters)
 
 
 def _peft(options: EngineOptions, adapters: list[str], port: int, log: Log) -> System:
@@ -64,46 +66,7 @@ def _peft(options: EngineOptions, adapters: list[str], port: int, log: Log) -> S
 
     command = _python_server(["lora_guard.bench.peft_server"], options, port)
     command += ["--adapters", ",".join(adapters)]
-    return System("peft", ServerLaunch(command, {}), _by_model(BASE_NAME))
-
-
-def _vllm(reserved: bool) -> Callable[[EngineOptions, list[str], int, Log], System]:
-    def make(options: EngineOptions, adapters: list[str], port: int, log: Log) -> System:
-        from lora_guard.bench.vllm_peer import (
-            ALL_CORES,
-            BASE_NAME,
-            RESERVED,
-            Placement,
-            peer_python,
-            vllm_launch,
-        )
-
-        layout = RESERVED if reserved else ALL_CORES
-        launch = vllm_launch(peer_python(log=log), options, adapters, port, Placement(layout))
-        counters = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
-        name = "vllm-reserved" if reserved else "vllm"
-        return System(name, launch, _by_model(BASE_NAME), counters)
-
-    return make
-
-
-def _llama_cpp(options: EngineOptions, adapters: list[str], port: int, log: Log) -> System:
-    from lora_guard.bench import llama_cpp_peer as peer
-
-    model = Path(options.model)
-    python = peer.llama_cpp_python(log)
-    base, files = peer.gguf_files(
-        python, model, Path(options.adapter_dir), adapters, options.dtype, log
-    )
-    launch = peer.llama_cpp_launch(
-        peer.server_binary(python),
-        base,
-        files,
-        port,
-        parallel=options.max_num_seqs,
-        bos=peer.adds_bos(model),
-    )
-    return System("llama.cpp", launch, _by_lora_list(adapters))
+    return System("peft", ServerLaunch(command, {}), by_model(BASE_NAME))
 
 
 @dataclass(frozen=True)
@@ -112,20 +75,28 @@ class Entry:
     reach over its own, saturated and at one client (None: not judged)."""
 
     name: str
-    make: Callable[[EngineOptions, list[str], int, Log], System]
+    make: Make | str  # or where its peer module keeps it, "module:function" (read when used)
     throughput_goal: float | None = None
     one_client_goal: float | None = None
 
+    def start(self) -> Make:
+        if not isinstance(self.make, str):
+            return self.make
+        module, _, function = self.make.partition(":")
+        made: Make = getattr(importlib.import_module(module), function)
+        return made
 
-#: Every system ``--systems`` names; a new one is a ``make`` function and a line here.
+
+#: Every system ``--systems`` names; a new peer is a module with its ``sweep_system`` and a line
+#: here.
 SYSTEMS: dict[str, Entry] = {
     e.name: e
     for e in (
         Entry("lora-guard", _lora_guard),
         Entry("peft", _peft, throughput_goal=2.0),
-        Entry("vllm", _vllm(reserved=False), throughput_goal=3.0),
-        Entry("vllm-reserved", _vllm(reserved=True), throughput_goal=3.0),
-        Entry("llama.cpp", _llama_cpp, throughput_goal=1.5, one_client_goal=1.0),
+        Entry("vllm", "lora_guard.bench.vllm_peer:sweep_system", throughput_goal=3.0),
+        Entry("vllm-reserved", "lora_guard.bench.vllm_peer:reserved_system", throughput_goal=3.0),
+        Entry("llama.cpp", "lora_guard.bench.llama_cpp_peer:sweep_system", 1.5, 1.0),
     )
 }
 
@@ -137,17 +108,17 @@ def make_system(
         entry = SYSTEMS[name]
     except KeyError:
         raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}") from None
-    return entry.make(options, adapters, port, log)
+    return entry.start()(options, adapters, port, log)
 
 
-def _by_model(base: str) -> Body:
+def by_model(base: str) -> Body:
     def body(request: TraceRequest) -> dict[str, object]:
         return {"model": request.adapter_id or base}
 
     return body
 
 
-def _by_lora_list(adapters: list[str]) -> Body:
+def by_lora_list(adapters: list[str]) -> Body:
     """llama-server's per-request LoRA list. An empty list means "the server's own scales" (every
     adapter at 1), so the base model is asked for as one adapter at scale 0 (the rest default
     to 0)."""

@@ -27,6 +27,7 @@ from lora_guard.bench import load
 from lora_guard.bench.peer_env import PEERS, PeerError
 from lora_guard.bench.replay import EngineOptions, SchemeRun
 from lora_guard.bench.servers import ServerLaunch, serving, shared, tree_rss
+from lora_guard.bench.systems import Log, System, by_model
 from lora_guard.workload.trace import TraceRequest
 
 BASE_NAME = "base"
@@ -299,3 +300,23 @@ def _warm_up(url: str, adapters: list[str], prompt: list[int]) -> None:
     for model in [BASE_NAME, *adapters]:
         body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
         httpx.post(url + "/v1/completions", json=body, timeout=600).raise_for_status()
+
+
+def sweep_system(options: EngineOptions, adapters: list[str], port: int, log: Log) -> System:
+    """vLLM in the capacity sweep, computing on every core."""
+    return _system(options, adapters, port, log, Placement(ALL_CORES))
+
+
+def reserved_system(options: EngineOptions, adapters: list[str], port: int, log: Log) -> System:
+    """vLLM in the capacity sweep in its documented layout, a core kept for its serving
+    process."""
+    return _system(options, adapters, port, log, Placement(RESERVED))
+
+
+def _system(
+    options: EngineOptions, adapters: list[str], port: int, log: Log, at: Placement
+) -> System:
+    launch = vllm_launch(peer_python(log=log), options, adapters, port, at)
+    counters = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+    name = "vllm-reserved" if at.layout == RESERVED else "vllm"
+    return System(name, launch, by_model(BASE_NAME), counters)

@@ -24,7 +24,7 @@ from lora_guard.bench.sweep import (
     saturated,
 )
 from lora_guard.bench.sweep_report import sweep_targets, target_lines
-from lora_guard.bench.systems import _by_lora_list
+from lora_guard.bench.systems import SYSTEMS, by_lora_list
 from lora_guard.demo.testing import AdapterFactory
 from lora_guard.workload.trace import TraceRequest
 
@@ -140,7 +140,7 @@ def test_llama_server_gets_a_slot_per_client_every_core_and_every_adapter() -> N
     assert command[command.index("--threads") + 1] == "2"
     assert command[command.index("--lora") + 1] == "/g/a.gguf,/g/b.gguf"
     assert "--lora-init-without-apply" in command  # a request names its own adapter
-    body = _by_lora_list(["a", "b"])
+    body = by_lora_list(["a", "b"])
     ask = TraceRequest("r", 0.0, "t0", "b", "hi", 4)
     assert body(ask)["lora"] == [{"id": 1, "scale": 1.0}]
     # an empty list would mean every adapter at the server's scale: the base is all at 0
@@ -218,3 +218,9 @@ def test_one_command_sweeps_lora_guard_and_peft_over_http(
     ]
     assert "| lora-guard | matched load |" in done.stdout
     assert "| machine GFLOP/s | of the machine |" in done.stdout
+
+
+def test_every_system_the_sweep_names_can_be_started() -> None:
+    # a peer's entry names its module's function as text: a typo would show only when run
+    for entry in SYSTEMS.values():
+        assert callable(entry.start()), entry.name
