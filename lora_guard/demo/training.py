@@ -24,8 +24,8 @@ import torch
 from lora_guard.clock import timer
 from lora_guard.demo.adapters import ATTENTION_MODULES
 from lora_guard.demo.greedy import greedy, left_pad
-from lora_guard.demo.manifest import read_manifest
 from lora_guard.demo.personas import Persona, training_questions
+from lora_guard.manifest import read_manifest
 
 TRAINING_RECORD = "training.json"
 TEACHER_BATCH = 16

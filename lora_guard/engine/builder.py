@@ -247,7 +247,7 @@ def model_name(model_dir: Path, hf_config: Any) -> str:
     """The base model's name for ``/info``, ``/v1/models`` and responses, never a path: the name
     its manifest or config records (``SmolLM2-135M-Instruct`` of ``HuggingFaceTB/...``), else
     the checkpoint folder's name."""
-    from lora_guard.demo.manifest import read_manifest
+    from lora_guard.manifest import read_manifest
 
     manifest = read_manifest(model_dir) or {}
     recorded = manifest.get("info", {}).get("model_id") or getattr(hf_config, "name_or_path", "")

@@ -25,6 +25,7 @@ FORBIDDEN: tuple[tuple[str, str], ...] = (
     ("lora_guard.simulate", "lora_guard.serve_ray"),
     ("lora_guard.engine", "lora_guard.server"),
     ("lora_guard.engine", "lora_guard.bench"),
+    ("lora_guard.engine", "lora_guard.demo"),
     ("lora_guard.workload", "lora_guard.bench"),
 )
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from lora_guard.demo.manifest import manifest_problems, write_manifest
 from lora_guard.demo.model import (
     DEMO_ADAPTERS,
     DemoError,
@@ -21,6 +20,7 @@ from lora_guard.demo.model import (
 from lora_guard.demo.paths import DemoPaths
 from lora_guard.demo.personas import packaged_personas
 from lora_guard.engine.lora.registry import scan_adapter_dir
+from lora_guard.manifest import manifest_problems, write_manifest
 
 
 def test_too_little_disk_is_a_clear_error(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""A small JSON manifest of the files in a prepared folder, so a second run can trust it quickly."""
+"""A small JSON manifest of the files in a prepared folder (a model, adapters), so a second run can
+trust it quickly; the engine reads the model name a prepared checkpoint records in it."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lora_guard.demo.manifest import manifest_problems, write_manifest
+from lora_guard.manifest import manifest_problems, write_manifest
 
 
 def test_manifest_notices_missing_resized_and_changed_files(tmp_path: Path) -> None:
