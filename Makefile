@@ -3,7 +3,7 @@ VENV ?= .venv
 VLLM_PEER ?= vllm
 BIN := $(VENV)/bin
 
-.PHONY: bootstrap test test-fast test-clients test-vllm peers lint serve demo clean
+.PHONY: bootstrap test test-fast test-studies test-clients test-vllm peers lint serve demo clean
 
 bootstrap:
 	@VENV=$(VENV) scripts/bootstrap.sh
@@ -14,7 +14,12 @@ test: lint
 
 ## test-fast: the suite without the demo model
 test-fast: bootstrap
-	$(BIN)/python -m pytest -m "not slow and not clients"
+	$(BIN)/python -m pytest -m "not slow and not clients and not study"
+
+## test-studies: the few whole studies on real servers or a real fleet (the sweep command, the
+## simulator against a real 2-replica fleet, load then soak), about 2 minutes
+test-studies: bootstrap
+	$(BIN)/python -m pytest -m study -rP
 
 ## peers: the field's tools, each in its own venv under $LORA_GUARD_HOME/peers (vLLM's CPU build
 ## and guidellm, about 3.5 and 1.5 GB; the first time takes minutes)

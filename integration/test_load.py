@@ -3,7 +3,7 @@ time, every request accounted for (200 with the in-process engine's tokens, or 4
 Retry-After; never a hang, never a 5xx), and once idle no running request, no held KV block, and
 residency that matches between ``GET /v1/adapters`` and the metrics.
 
-``pytest integration/test_load.py -s`` prints the figures quoted in docs/reliability.md.
+``pytest -m study integration/test_load.py -s`` prints the figures quoted in docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -153,6 +153,7 @@ def settle(url: str, timeout: float = 15) -> dict[str, list[tuple[dict[str, str]
     return eventually(idle, timeout_s=timeout, what="the server to be idle")
 
 
+@pytest.mark.study
 def test_load_then_soak_every_request_accounted_for(
     fleet: tuple[ServerProcess, dict[tuple[str, str | None], list[int]]],
 ) -> None:

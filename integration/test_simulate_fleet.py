@@ -28,7 +28,7 @@ the idle fleet from two clients (one on each replica), less the engine's one ste
 Loads and the latency p95 must agree within 15%. A real-time replay on a shared CPU can be
 slowed by another process at any moment, so the test makes up to 3 runs, each on a fresh fleet,
 and passes when one agrees (as ``tests/test_simulate.py`` does).
-``pytest -s integration/test_simulate_fleet.py`` prints the figures.
+``pytest -m study -s integration/test_simulate_fleet.py`` prints the figures.
 """
 
 from __future__ import annotations
@@ -312,6 +312,7 @@ def run_once(files: tuple[Path, Path], port: int, trace: list[TraceRequest], tag
     return Run(loads, p95, p50, overhead_ms, sim, costs, fit, alone)
 
 
+@pytest.mark.study
 def test_the_calibrated_simulator_agrees_with_a_real_two_replica_fleet(
     files: tuple[Path, Path], ray_port: int
 ) -> None:

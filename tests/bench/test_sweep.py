@@ -148,6 +148,7 @@ def test_llama_server_gets_a_slot_per_client_every_core_and_every_adapter() -> N
 
 
 @pytest.mark.slow
+@pytest.mark.study
 def test_one_command_sweeps_lora_guard_and_peft_over_http(
     tiny_model: Path, tiny_adapters: AdapterFactory, tmp_path: Path
 ) -> None:
