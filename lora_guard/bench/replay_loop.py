@@ -26,7 +26,8 @@ class ReplayClock(Protocol):
         """Seconds since the replay began."""
 
     def idle(self, until: float) -> None:
-        """Nothing to run before ``until``, the next attempt's time (it may come sooner)."""
+        """Nothing to run before ``until``, the next attempt's time (it may come sooner). A clock
+        that jumps must land at ``until`` or after, as ``now`` reads it."""
 
     def step(self) -> list[RequestOutput]:
         """One engine step, and the time it takes."""
@@ -47,7 +48,8 @@ def replay_loop(
     while attempts.open:
         due = attempts.due[0][0] if attempts.due else None
         if not engine.has_unfinished_requests() and due is not None and due > clock.now():
-            clock.idle(due)
+            clock.idle(due)  # no step while nothing runs: an empty one still calls the hooks
+            continue
         now = clock.now()
         for attempt, request, record in attempts.arrivals(now):
             if not record.retries:

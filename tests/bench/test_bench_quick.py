@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from lora_guard.workload.trace import read_trace
+
 SCHEMES = {"static", "on-demand", "lru", "lora-guard", "lora-guard-observe", "peft"}
 # one row a line, as a table reads (fmt: skip)
 KEYS = {
@@ -47,9 +49,11 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, Path]:  
 
 @pytest.mark.slow
 def test_the_report_holds_every_scheme_with_every_figure(quick: tuple) -> None:  # type: ignore[type-arg]
-    report, stdout, _ = quick
+    report, stdout, out = quick
     schemes = report["schemes"]
     assert set(schemes) == SCHEMES
+    shortest = min(r.max_new_tokens for r in read_trace(out / "trace.jsonl"))
+    assert shortest >= 2
     for name, summary in schemes.items():
         assert set(summary) >= KEYS, name
         assert summary["requests"] == report["workload"]["requests"] == 32
@@ -59,7 +63,11 @@ def test_the_report_holds_every_scheme_with_every_figure(quick: tuple) -> None: 
         # No scheme passes the bound on its own binds from its own start state.
         assert summary["hit_rate"] <= summary["hit_rate_bound"] + 1e-9, name
         assert summary["hit_rate_belady"] <= summary["hit_rate_bound"] + 1e-9, name
-        assert summary["decode_tail_tokens_per_s"] >= summary["tail_tokens_per_s"], name
+        # A request's decode speed leaves out its first token's wait, so it is at least
+        # (n - 1) / n of its whole speed; the 5% tails keep that order (every request of the
+        # trace generates at least ``shortest`` tokens, none stops at an end token).
+        floor = (shortest - 1) / shortest * summary["tail_tokens_per_s"]
+        assert summary["decode_tail_tokens_per_s"] >= floor, name
     # Adapter pages live inside the same budget as static's KV pool.
     assert schemes["lora-guard"]["peak_memory_ratio"] <= 1.05
     # The schemes that rotate 8 adapters through 4 slots waited for some of them.

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -212,8 +213,12 @@ class Replay:
         return self.clock.now - self.start
 
     def idle(self, until: float) -> None:
-        """Nothing runs until the next arrival: the clock jumps to it."""
-        self.clock.now = self.start + until
+        """Nothing runs until the next arrival: the clock jumps to it (``now`` reads ``until``
+        or a hair after: ``start + until - start`` can round below ``until``)."""
+        jump = self.start + until
+        while jump - self.start < until:
+            jump = math.nextafter(jump, math.inf)
+        self.clock.now = jump
 
     def _arrived(self, record: RequestRecord) -> None:
         if record.adapter_id is not None:
