@@ -78,16 +78,16 @@ def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    """Normalised in float32, rounded to ``x``'s dtype, then scaled (as transformers' Llama)."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE to x [T, heads, head_dim] with cos/sin [T, 1, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE to x [T, heads, head_dim] with cos and ``signed_sin`` [T, 1, head_dim] (sin,
+    its first half negated): ``x * cos + cat(-x2, x1) * sin`` with the halves swapped by one
+    roll, the same products and sum."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 class LlamaModel:
@@ -226,16 +226,20 @@ class LlamaModel:
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.rope_scaling).to(self.dtype)[:, None, :]
         sin = (emb.sin() * self.rope_scaling).to(self.dtype)[:, None, :]
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        half = sin.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        heads, kv_heads = s.num_heads, s.num_kv_heads
+        qk_size = (heads + kv_heads) * s.head_dim  # queries and keys, rotated together
         k_cache, v_cache = kv_cache
         with sdpa_kernel(ATTENTION_BACKENDS):
             for i, layer in enumerate(self.layers):
                 h = rms_norm(x, layer.input_norm, s.rms_norm_eps)
                 qkv = self._linear(h, layer, "qkv", i, lora)
-                q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
-                q = rotate(q.view(-1, s.num_heads, s.head_dim), cos, sin)
-                k = rotate(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin)
-                v = v.view(-1, s.num_kv_heads, s.head_dim)
+                qk = rotate(
+                    qkv[:, :qk_size].view(-1, heads + kv_heads, s.head_dim), cos, signed_sin
+                )
+                q, k = qk[:, :heads], qk[:, heads:]
+                v = qkv[:, qk_size:].view(-1, kv_heads, s.head_dim)
                 k_cache[i].index_copy_(0, attn.slot_mapping, k)
                 v_cache[i].index_copy_(0, attn.slot_mapping, v)
                 o = self._attention(q, k_cache[i], v_cache[i], attn)
@@ -260,6 +264,8 @@ class LlamaModel:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionBatch
     ) -> torch.Tensor:
         s = self.spec
+        if not attn.prefills:  # every row a decode, in order: no rows to scatter
+            return self._decodes(q, k_cache, v_cache, attn).view(q.shape[0], -1)
         out = torch.empty_like(q)
         gqa = s.num_heads != s.num_kv_heads
         for start, q_len, ctx_len, slots in attn.prefills:
@@ -283,15 +289,22 @@ class LlamaModel:
             )
             out[start : start + q_len] = o[0].transpose(0, 1)
         if attn.decode_rows is not None:
-            assert attn.decode_slots is not None and attn.decode_mask is not None
-            batch, ctx = attn.decode_slots.shape
-            flat = attn.decode_slots.flatten()
-            kd = k_cache.index_select(0, flat).view(batch, ctx, s.num_kv_heads, s.head_dim)
-            vd = v_cache.index_select(0, flat).view(batch, ctx, s.num_kv_heads, s.head_dim)
-            grouped = self.device.type == "cpu" and self.dtype != torch.float32
-            decode = self._grouped_decode if grouped else self._torch_decode
-            out[attn.decode_rows] = decode(q[attn.decode_rows], kd, vd, attn.decode_mask)
+            out[attn.decode_rows] = self._decodes(q[attn.decode_rows], k_cache, v_cache, attn)
         return out.view(q.shape[0], -1)
+
+    def _decodes(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionBatch
+    ) -> torch.Tensor:
+        """The single-token decodes' attention: q [B, heads, D], one row per decode."""
+        s = self.spec
+        assert attn.decode_slots is not None and attn.decode_mask is not None
+        batch, ctx = attn.decode_slots.shape
+        flat = attn.decode_slots.flatten()
+        kd = k_cache.index_select(0, flat).view(batch, ctx, s.num_kv_heads, s.head_dim)
+        vd = v_cache.index_select(0, flat).view(batch, ctx, s.num_kv_heads, s.head_dim)
+        grouped = self.device.type == "cpu" and self.dtype != torch.float32
+        decode = self._grouped_decode if grouped else self._torch_decode
+        return decode(q, kd, vd, attn.decode_mask)
 
     def _torch_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
