@@ -109,6 +109,18 @@ def stop_server(server: subprocess.Popen[bytes]) -> None:
             server.wait()
 
 
+@contextmanager
+def paused(server: subprocess.Popen[bytes]) -> Iterator[None]:
+    """The server's process group stopped (SIGSTOP) while inside, continued on leaving: what is
+    measured meanwhile gets the whole machine, even beside a server that spins while idle
+    (vLLM's CPU worker keeps its cores busy between requests)."""
+    os.killpg(server.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(server.pid, signal.SIGCONT)
+
+
 def tree_rss(pid: int) -> int:
     """The resident peaks (VmHWM) of ``pid`` and its children, summed (vLLM runs its engine in
     children): at least the tree's true peak, never a sample that missed it."""

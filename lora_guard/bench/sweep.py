@@ -7,7 +7,8 @@ each N of the sweep. The saturated throughput is the best N's; the knee, the few
 reach 95% of it. Then, with every system's capacity known, each is started
 again and the trace arrives open-loop at ``--matched-load`` of the smallest capacity: the latency
 each gives at the same load, below every system's knee. Before each point the machine's own speed
-is measured (:mod:`lora_guard.bench.machine_speed`, in the run's dtype) and kept beside it: on a
+is measured, the server's processes stopped meanwhile (:mod:`lora_guard.bench.machine_speed`, in
+the run's dtype), and kept beside it: on a
 shared machine it moves, and a ratio of two systems measured minutes apart moves with it. Each
 point's throughput is also read as a share of that rate (:mod:`lora_guard.bench.ceiling`): its
 generated tokens' FLOPs a second over the machine's matrix FLOPs a second.
@@ -34,7 +35,7 @@ from lora_guard.bench.load import RequestRecord, busy_throughput, closed_loop, o
 from lora_guard.bench.machine_speed import machine_speed
 from lora_guard.bench.peer_env import PeerError
 from lora_guard.bench.replay import EngineOptions
-from lora_guard.bench.servers import ServerLaunch, serving, shared, tree_rss
+from lora_guard.bench.servers import ServerLaunch, paused, serving, shared, tree_rss
 from lora_guard.bench.sweep_report import (
     ms,
     sweep_table,
@@ -69,7 +70,8 @@ class Point:
     ttft_p50_ms: float | None
     ttft_p95_ms: float | None
     e2e_p95_ms: float | None
-    # The machine's own speed just before the point (lora_guard.bench.machine_speed), server idle
+    # The machine's own speed just before the point (lora_guard.bench.machine_speed), the server
+    # paused
     machine_gflops: float | None = None
     # prompt tokens the server found in its prefix cache over all it was sent, where it says
     prefix_cache_hit_rate: float | None = None
@@ -177,7 +179,8 @@ def run_system(
                 if failed:
                     raise PeerError(f"{system.name}: the warm-up failed: {failed[0]}")
                 continue
-            speed = ceiling.machine_gflops() if ceiling is not None else machine_speed()
+            with paused(server):  # the machine's own rate, not what the server leaves of it
+                speed = ceiling.machine_gflops() if ceiling is not None else machine_speed()
             cached_before = cache_counts(url, system.cache_counters)
             started = monotonic()
             if clients:

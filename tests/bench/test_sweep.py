@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import pytest
 from lora_guard.bench.arguments import add_arguments, workload_spec
 from lora_guard.bench.llama_cpp_peer import SLOT_TOKENS, llama_cpp_launch
 from lora_guard.bench.load import RequestRecord, busy_throughput
+from lora_guard.bench.servers import ServerLaunch, paused, start_server, stop_server
 from lora_guard.bench.sweep import (
     Point,
     SweepTraces,
@@ -63,6 +66,32 @@ def test_the_sweep_goes_on_while_the_throughput_still_rises() -> None:
     assert next_clients([*rising, point(64, 124)], limit=128) is None  # within 5%: flat
     assert next_clients([point(32, 100), point(64, 90)], limit=128) is None  # falling
     assert next_clients([point(32, 100), point(64, 150)], limit=64) is None  # at the limit
+
+
+def test_the_machine_is_measured_with_the_server_stopped(tmp_path: Path) -> None:
+    """A server that spins while idle (as vLLM's CPU worker does) gets no CPU while the
+    machine's speed is measured beside it, and runs again after."""
+    spin = ServerLaunch([sys.executable, "-c", "while True: pass"], {})
+    server = start_server(spin, tmp_path / "spin.log")
+    try:
+
+        def cpu_s() -> float:
+            fields = Path(f"/proc/{server.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+        time.sleep(0.5)
+        with paused(server):
+            time.sleep(0.1)  # the stop lands
+            before = cpu_s()
+            time.sleep(0.5)
+            assert cpu_s() - before < 0.02
+        before, deadline = cpu_s(), time.monotonic() + 5
+        while cpu_s() - before < 0.1 and time.monotonic() < deadline:
+            time.sleep(0.1)  # running again (on a busy machine, it gets what it gets)
+        assert cpu_s() - before >= 0.1
+        assert server.poll() is None
+    finally:
+        stop_server(server)
 
 
 def test_the_prefix_cache_hit_rate_is_read_between_two_readings() -> None:
