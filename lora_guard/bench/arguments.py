@@ -188,7 +188,8 @@ def _add_sweep_flags(add: Any) -> None:
         "--base-share",
         type=float,
         default=0.0,
-        help="share of the trace's requests for the base model (1: no adapter at all)",
+        help="share of the trace's requests for the base model (1: no adapter at all; with "
+        "--sweep, every system is then started without adapters, its no-LoRA control)",
     )
 
 

@@ -267,6 +267,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from lora_guard.bench.replay import adapter_ids
 
     adapters = adapter_ids(adapter_dir)[: args.adapters]
+    # Base-model traffic alone is each system's no-LoRA control: started without adapters (vLLM
+    # without --enable-lora, llama.cpp without --lora, PEFT on the bare model).
+    served = [] if spec.base_share >= 1 else adapters
     options = EngineOptions(
         model=str(model),
         adapter_dir=str(adapter_dir),
@@ -277,7 +280,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         max_num_seqs=max(64, BEYOND * max(sweep)),
     )
     ceiling = Ceiling.of(Path(model), Path(adapter_dir), adapters, args.dtype)
-    warm = [TraceRequest(f"warm-{a}", 0.0, "t0", a, "Warm-up.", 2) for a in [None, *adapters]]
+    warm = [TraceRequest(f"warm-{a}", 0.0, "t0", a, "Warm-up.", 2) for a in [None, *served]]
     report: dict[str, Any] = {
         "command": "lora-guard " + " ".join(argv),
         "regime": _regime(args),
@@ -288,7 +291,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="lora-guard-sweep-") as scratch:
         try:
             made = {
-                name: make_system(name, options, adapters, args.peer_port + i, progress)
+                name: make_system(name, options, served, args.peer_port + i, progress)
                 for i, name in enumerate(systems)
             }
             for name, system in made.items():
@@ -384,7 +387,7 @@ def _write(args: argparse.Namespace, report: dict[str, Any], logs: dict[str, str
 def _regime(args: argparse.Namespace) -> str:
     seats = args.max_loras or args.adapters
     if args.base_share >= 1:
-        return "base model only"
+        return "base model only, no adapters served"
     if seats >= args.adapters:
         return f"everything fits: {args.adapters} adapters, {seats} seats"
     return f"adapters under pressure: {args.adapters} adapters on {seats} seats"
