@@ -34,7 +34,8 @@ class AttentionBatch:
     """Where each sequence's queries sit in the flat batch and where its keys live in the cache.
 
     ``prefills`` run one attention call each: (query start, query length, context length, cache
-    slots of the context). Single-token decodes are batched: ``decode_rows`` index the flat batch,
+    slots of the context). Single-token decodes are batched: ``decode_rows`` index the flat batch
+    in order (without prefills, every row is a decode: ``decode_rows`` is 0, 1, ...),
     ``decode_slots`` [B, C] the cache, ``decode_mask`` [B, C] marks the valid context.
     """
 
@@ -78,9 +79,9 @@ def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalised in float32, rounded to ``x``'s dtype, then scaled (as transformers' Llama)."""
-    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
-    return weight * normed.to(x.dtype)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -264,7 +265,7 @@ class LlamaModel:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionBatch
     ) -> torch.Tensor:
         s = self.spec
-        if not attn.prefills:  # every row a decode, in order: no rows to scatter
+        if not attn.prefills and attn.decode_rows is not None:  # every row a decode, in order
             return self._decodes(q, k_cache, v_cache, attn).view(q.shape[0], -1)
         out = torch.empty_like(q)
         gqa = s.num_heads != s.num_kv_heads
