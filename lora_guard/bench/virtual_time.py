@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--costs", type=Path, help="costs JSON (simulate --calibrate), over the profile's")
     add("--json", type=Path, help="write the figures here")
+    add(
+        "--bound",
+        action="store_true",
+        help="also the TTFT p95 no schedule of each seed's trace gets under on its pool: a "
+        "linear relaxation solved with HiGHS (the bench extra; virtual/bound.py)",
+    )
     add("--jobs", type=int, default=1, help="seeds replayed at once, each in its own process")
     return parser
 
@@ -150,7 +156,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         trace = read_trace(args.trace) if args.trace else None
         specs = [replace(spec, seed=seed) for seed in (seeds if trace is None else [seeds[0]])]
         work = partial(
-            study, bench, schemes=schemes, load=args.load, trace=trace, cache_memory=cache_memory
+            study,
+            bench,
+            schemes=schemes,
+            load=args.load,
+            trace=trace,
+            cache_memory=cache_memory,
+            bound=args.bound,
         )
         if args.jobs > 1 and len(specs) > 1:
             # one process a seed (the figures are the same: each replay runs on its own clock)

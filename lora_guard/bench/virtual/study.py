@@ -83,6 +83,7 @@ class SeedRun:
     results: list[Result]
     pressure: Pressure | None = None
     calm: list[Result] = field(default_factory=list)  # tenant-storm: the trace without the storm
+    bound: dict[str, Any] | None = None  # the TTFT p95 no schedule gets under (virtual/bound.py)
 
 
 def study(
@@ -92,10 +93,12 @@ def study(
     load: float,
     trace: list[TraceRequest] | None = None,
     cache_memory: int | None = None,
+    bound: bool = False,
 ) -> SeedRun:
     """Every scheme on one trace (``trace``, or one drawn from ``spec`` at ``load`` of the
     capacity). The pool is ``cache_memory`` (bytes of the profile's model), or for ``pressure``
-    and ``public`` sized by :class:`Pressure`, else the profile's memory for KV and adapters."""
+    and ``public`` sized by :class:`Pressure`, else the profile's memory for KV and adapters.
+    ``bound``: with the TTFT p95 no schedule of the trace on that pool gets under."""
     rate = None
     if trace is None:
         rate = arrival_rate(spec, load, capacity(bench, spec))
@@ -122,7 +125,12 @@ def study(
     if chosen.calm is not None and rate is not None:
         quiet = make_trace(replace(spec, rate=rate, scenario=chosen.calm), bench.adapter_ids)
         calm = [_run(bench, s, quiet, pool) for s in schemes]
-    return SeedRun(spec.seed, rate, [results[s] for s in schemes], pressure, calm)
+    run = SeedRun(spec.seed, rate, [results[s] for s in schemes], pressure, calm)
+    if bound:
+        from lora_guard.bench.virtual.bound import trace_bound
+
+        run.bound = trace_bound(bench, trace, pool)
+    return run
 
 
 def _run(bench: Bench, scheme: str, trace: Sequence[TraceRequest], pool: int) -> Result:
@@ -171,12 +179,39 @@ def report(runs: Sequence[SeedRun], schemes: Sequence[str]) -> dict[str, Any]:
                 "pool": run.pressure.summary() if run.pressure else None,
                 "schemes": {r.scheme: r.figures() for r in run.results},
                 "seat_sweeps": {r.scheme: r.seats for r in run.results if r.seats},
+                "bound": run.bound,
             }
         )
     versus = lora_guard_ratios(out["runs"])
     if versus:
         out["lora_guard_over"] = versus
+    over_bound = bound_ratios(out["runs"])
+    if over_bound:
+        out["over_bound"] = over_bound
     return out
+
+
+def bound_ratios(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Each scheme's TTFT p95 over the seed's bound (``virtual/bound.py``), and the best
+    rival's, per seed, then their median and range; none where a seed has no bound."""
+    per_seed: dict[str, list[float]] = {}
+    for run in runs:
+        if not run.get("bound"):
+            return {}
+        floor = run["bound"]["ttft_p95_ms"]
+        rows = run["schemes"]
+        rivals = [r["ttft_p95_ms"] for s, r in rows.items() if s not in NOT_RIVALS]
+        figures = {s: r["ttft_p95_ms"] for s, r in rows.items()}
+        if rivals:
+            figures["best rival"] = min(rivals)
+        for name, p95 in figures.items():
+            if p95:
+                per_seed.setdefault(name, []).append(p95 / floor)
+    return {
+        name: {"per_seed": v, "median": statistics.median(v), "range": [min(v), max(v)]}
+        for name, v in per_seed.items()
+        if len(v) == len(runs)
+    }
 
 
 #: not rivals: the base model (no adapters), the reference that adds memory, one adapter merged
@@ -321,6 +356,18 @@ def print_report(out: dict[str, Any], runs: Sequence[SeedRun]) -> None:
                 + ")"
                 for s, v in out["storm"].items()
             )
+        )
+    for run in runs:
+        if run.bound:
+            print(
+                f"seed {run.seed}: no schedule of the trace on this pool has a TTFT p95 under "
+                f"{run.bound['ttft_p95_ms']:.0f} ms (virtual/bound.py; each request's prefill "
+                f"alone: {run.bound['alone_prefill_p95_ms']:.0f} ms)"
+            )
+    for name, ratio in out.get("over_bound", {}).items():
+        print(
+            f"{name} / the bound: median {ratio['median']:.2f} (range {ratio['range'][0]:.2f}-"
+            f"{ratio['range'][1]:.2f})"
         )
     for name, ratio in out.get("lora_guard_over", {}).items():
         if name != "best_rival_by_seed":
