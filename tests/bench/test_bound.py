@@ -42,6 +42,11 @@ def test_requests_that_fit_together_are_bound_only_by_their_prefill() -> None:
     assert ttft_p95_bound_ms(spread, 100) / 1000 <= PREFILL_S
 
 
+def test_a_pool_that_cannot_hold_the_adapters_is_refused() -> None:
+    with pytest.raises(ValueError, match="20 of 20 requests need more than the pool's 50 pages"):
+        ttft_p95_bound_ms(turns(20, 60), 50)
+
+
 def test_a_prompt_holds_and_computes_only_what_no_request_of_its_adapter_shares() -> None:
     costs = Costs()
     system = list(range(40))

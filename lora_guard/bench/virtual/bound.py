@@ -29,6 +29,7 @@ from lora_guard.workload.trace import TraceRequest
 SLOT_S = 0.1  # the grid of starts and memory instants
 TOLERANCE_S = 0.005  # the search stops when the bound is known to this
 WINDOW_S = 10.0  # prefill windows checked: those up to this long
+LONGEST_S = 86400.0  # the search gives up past this (a pool that cannot hold the trace's adapters)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ def feasible(jobs: Sequence[Job], pool_pages: int, ttft_s: float, slot_s: float 
     columns = 0
     for i, job in enumerate(jobs):
         latest = job.arrival + ttft_s - job.prefill_s
-        if latest < job.arrival:
+        if latest < job.arrival or job.pages > pool_pages:
             continue
         for k in range(math.floor(job.arrival / slot_s), math.floor(latest / slot_s) + 1):
             starts[i].append((k, columns))
@@ -179,8 +180,16 @@ def feasible(jobs: Sequence[Job], pool_pages: int, ttft_s: float, slot_s: float 
 
 def ttft_p95_bound_ms(jobs: Sequence[Job], pool_pages: int, slot_s: float = SLOT_S) -> float:
     """The largest TTFT (ms, to ``TOLERANCE_S``) that no schedule's p95 is within."""
+    fitting = sum(1 for job in jobs if job.pages <= pool_pages)
+    if fitting < meeting(len(jobs)):
+        raise ValueError(
+            f"{len(jobs) - fitting} of {len(jobs)} requests need more than the pool's "
+            f"{pool_pages} pages: no schedule serves enough of them for a TTFT p95"
+        )
     low, high = 0.0, 1.0
     while not feasible(jobs, pool_pages, high, slot_s):
+        if high > LONGEST_S:
+            raise ValueError(f"no schedule on {pool_pages} pages has a TTFT p95 within a day")
         low, high = high, high * 2
     while high - low > TOLERANCE_S:
         middle = (low + high) / 2
