@@ -79,6 +79,7 @@ def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalised in float32, rounded to ``x``'s dtype, then scaled (as transformers' Llama)."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)

@@ -93,10 +93,16 @@ def test_every_rival_and_lora_guard_stay_under_the_bound_under_pressure(tmp_path
     report = json.loads(out.read_text())
     pool = report["runs"][0]["pool"]
     bound = report["runs"][0]["bound"]["ttft_p95_ms"]
-    assert bound + 5 >= report["runs"][0]["bound"]["alone_prefill_p95_ms"] > 0  # to 5 ms
-    # on the same pool and costs (all-resident adds pages; static serves one adapter's load)
+    alone = report["runs"][0]["bound"]["alone_prefill_p95_ms"]
+    assert bound + 5 >= alone > 0  # to 5 ms
+    # on the same pool and costs (all-resident adds pages; static serves one adapter's load):
+    # no schedule's first tokens beat their prefills alone; one that neither parks nor preempts
+    # a running request does not beat the bound either
     for name in set(schemes) - {"all-resident", "static"}:
-        assert report["schemes"][name]["ttft_p95_ms"] >= bound, name
+        row = report["schemes"][name]
+        assert row["ttft_p95_ms"] >= alone, name
+        if row["parked_steps"] == row["preemptions"] == 0:
+            assert row["ttft_p95_ms"] >= bound, name
     assert pool["in_use_per_minute_over_room_p10"] >= 2.9  # the pressure the scenario promises
     for name, row in report["schemes"].items():
         assert row["completed"] == row["requests"] == 40, name

@@ -2,7 +2,8 @@
 cannot reach: no order of admission, batching or eviction, knowing the whole trace, gets under it.
 
 It holds for every schedule that runs a request to its end once it starts (none parks a
-running request's adapter), on the same pool and the same step costs. Each request is a job:
+running request's adapter or preempts its KV; a replay counts both, ``Result.parked_steps`` and
+``Result.preemptions``), on the same pool and the same step costs. Each request is a job:
 it starts no earlier than its arrival; from its start its adapter's pages and the prompt blocks
 no other request of its adapter could share stay in the pool for at least its run alone (its
 prefill step and each decode step with nothing else in the batch); its first token comes no
@@ -141,7 +142,7 @@ def feasible(jobs: Sequence[Job], pool_pages: int, ttft_s: float, slot_s: float 
                 rows.append((-math.inf, 0.0, {**{c: 1.0 for c in cs}, seat: -1.0}))
                 memory[j][seat] = float(job.adapter_pages)
             for c in cs:
-                memory[j][c] = memory[j].get(c, 0.0) + job.pages - job.adapter_pages
+                memory[j][c] = float(job.pages - job.adapter_pages)
     rows.append((float(need), math.inf, {c: 1.0 for s in starts.values() for _, c in s}))
     rows.extend((-math.inf, float(pool_pages), used) for used in memory.values())
     order = sorted(starts, key=lambda i: jobs[i].arrival)

@@ -50,6 +50,10 @@ class Result:
     # at each step some request waited for room for its adapter: the pool's share held by the
     # adapters running requests use, and by KV in use
     room_waits: list[tuple[float, float]] = field(default_factory=list)
+    # what takes a run out of the class virtual/bound.py bounds: steps with a running request
+    # parked (its adapter out of the pool), and running requests preempted (their KV freed)
+    parked_steps: int = 0
+    preemptions: int = 0
 
     def figures(self) -> dict[str, Any]:
         done = [r for r in self.records if r.error is None and r.first_token is not None]
@@ -76,6 +80,8 @@ class Result:
             "room_wait_steps": len(self.room_waits),
             "room_wait_busy_adapter_share": percentile([b for b, _ in self.room_waits], 50),
             "room_wait_kv_share": percentile([k for _, k in self.room_waits], 50),
+            "parked_steps": self.parked_steps,
+            "preemptions": self.preemptions,
             "cold_fail_ratio": self.rejected / attempts if attempts else 0.0,
             "retries": sum(r.retries for r in self.records),
             "seats": self.best_seats,
@@ -135,6 +141,7 @@ class Replay:
         self.peak_used_pages = 0  # KV in use and adapter pages (cached free blocks not counted)
         self.arrivals: list[tuple[str, bool]] = []  # each request's adapter, and if resident
         self.room_waits: list[tuple[float, float]] = []  # see Result.room_waits
+        self.parked_steps = 0  # see Result.parked_steps
 
     def step(self) -> list[Any]:
         """One engine step; the clock moves by its cost (a read from disk lands by the next)."""
@@ -167,6 +174,7 @@ class Replay:
         )
         self.peak_used_pages = max(self.peak_used_pages, used)
         self._note_room_wait()
+        self.parked_steps += any(s.parked_since is not None for s in self.engine.scheduler.running)
         self.engine.wait_for_reads()
         return list(outputs)
 

@@ -191,6 +191,8 @@ def run_scheme(
     replay.read_ms.clear()
     replay.write_ms.clear()
     replay.room_waits.clear()
+    replay.parked_steps = 0
+    preempted = engine.stats.preemptions
     if scheme == CLAIRVOYANT:
         from lora_guard.bench.virtual.clairvoyant import ClairvoyantEviction
 
@@ -215,6 +217,8 @@ def run_scheme(
     result.switch_ms = switches / loads if loads else None
     result.peak_used_bytes = int(replay.peak_used_pages * page_bytes * bench.scale)
     result.room_waits = list(replay.room_waits)
+    result.parked_steps = replay.parked_steps
+    result.preemptions = engine.stats.preemptions - preempted
     kv_bytes = replay.peak_kv_blocks * page_bytes
     engine.shutdown()
     return result, kv_bytes
