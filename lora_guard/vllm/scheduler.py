@@ -106,6 +106,16 @@ class GuardedScheduling:
         )
         return outputs
 
+    def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
+        """Requests finished from outside a step (a client left): the state is published
+        again, or a door would read the seats of the last step until the next one, which an
+        idle engine never takes."""
+        finished = super().finish_requests(request_ids, finished_status)  # type: ignore[misc]
+        if self.guard is not None and finished:
+            waiting, running = list(self.waiting), list(self.running)  # type: ignore[attr-defined]
+            self.guard.publish(self.guard.state(waiting, running))
+        return finished
+
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         if self.guard is not None:
             reason = FINISH_REASONS.get(request.status)

@@ -2,7 +2,7 @@
 vLLM starts the plugin, not by vLLM's version string: a release whose seams match runs the
 policies; one where a seam changed runs as vLLM alone, and its log says which seam changed.
 
-vLLM's scheduler is not a public interface. The plugin overrides four of its methods, reads a few
+vLLM's scheduler is not a public interface. The plugin overrides five of its methods, reads a few
 fields of its batch output and finish states, and moves requests in and out of its waiting queue;
 those are the seams. Nothing here imports vLLM: :func:`scheduler_seams` does, when asked.
 """
@@ -21,6 +21,7 @@ METHODS = {
     "schedule": ("self",),
     "update_from_output": ("self", "scheduler_output", "model_runner_output"),
     "_free_request": ("self", "request"),
+    "finish_requests": ("self", "request_ids", "finished_status"),
 }
 OUTPUT_FIELDS = ("num_scheduled_tokens", "scheduled_new_reqs", "total_num_scheduled_tokens")
 NEW_REQUEST_FIELDS = ("req_id", "block_ids", "num_computed_tokens")
