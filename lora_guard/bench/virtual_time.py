@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
             "beside the KV the load needs"
         },
     )
+    add(
+        "--max-adapter-wait-s",
+        type=float,
+        help="lora-guard's hot-set: a request waiting this long goes ahead of all others and "
+        "may displace any adapter (default 8.0, as served)",
+    )
     add("--seeds", default=None, help="comma-separated trace seeds (default: 0)")
     add("--seed", type=int, help="one seed: --seeds N")
     add("--requests", type=int, help="requests per seed (default 200; pressure, public: 1000)")
@@ -147,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown scheme {unknown[0]!r}; choose from {', '.join(SCHEMES)}")
     seeds = _seeds(parser, args)
+    if args.max_adapter_wait_s is not None and not args.max_adapter_wait_s > 0:
+        parser.error(f"--max-adapter-wait-s takes seconds > 0, got {args.max_adapter_wait_s}")
     cache_memory = args.cache_memory  # bytes, or None
     spec = _spec(args)
     chosen = profile(args.profile)
@@ -185,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": chosen.shape.model,
         "bytes_scale": bench.scale,
         "costs": costs.source,
+        "max_adapter_wait_s": args.max_adapter_wait_s or 8.0,
         **out,
     }
     print_report(out, runs)
@@ -255,7 +264,11 @@ def _make_bench(
         )
     sizes = {f.name: weight_bytes(f) for f in folders}
     ids = [f.name for f in folders]
-    return Bench(model, out, ids, chosen, costs, args.max_loras, chosen.shape.scale(model), sizes)
+    settings = {}
+    if args.max_adapter_wait_s is not None:
+        settings["max_adapter_wait_s"] = args.max_adapter_wait_s
+    scale = chosen.shape.scale(model)
+    return Bench(model, out, ids, chosen, costs, args.max_loras, scale, sizes, settings)
 
 
 def tiny_model(out: Path, chosen: Profile) -> Path:

@@ -57,6 +57,26 @@ def test_the_same_command_gives_the_same_figures_on_a_busy_machine(
     assert "| lru |" in out and "| lora-guard |" in out and "max_loras 2" in out
 
 
+def test_the_wait_bound_is_lora_guards_setting_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--max-adapter-wait-s`` reaches lora-guard's hot-set and no rival: on the same trace
+    LRU's figures stay as they were, lora-guard's move, and the JSON names the setting."""
+    runs = {}
+    for wait in ("8", "0.5"):
+        out = tmp_path / f"wait-{wait}.json"
+        assert main([*ARGS, "--max-adapter-wait-s", wait, "--json", str(out)]) == 0
+        runs[wait] = json.loads(out.read_text())
+    assert [runs[w]["max_adapter_wait_s"] for w in runs] == [8.0, 0.5]
+    default, short = (runs[w]["schemes"] for w in runs)
+    assert default["lru"] == short["lru"]
+    assert default["lora-guard"] != short["lora-guard"]
+    assert short["lora-guard"]["completed"] == short["lora-guard"]["requests"] == 16
+    with pytest.raises(SystemExit):
+        main([*ARGS, "--max-adapter-wait-s", "0"])
+    assert "--max-adapter-wait-s takes seconds > 0" in capsys.readouterr().err
+
+
 def test_an_unknown_scheme_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--schemes", "lru,fastest"])

@@ -60,6 +60,7 @@ class Bench:
     max_loras: int = 0
     scale: float = 1.0
     adapter_bytes: dict[str, int] = field(default_factory=dict)  # files, on this model
+    settings: dict[str, Any] = field(default_factory=dict)  # policy settings for every scheme
 
     def profile_mib(self) -> dict[str, float]:
         return {a: b * self.scale / MIB for a, b in self.adapter_bytes.items()}
@@ -77,7 +78,7 @@ class Bench:
     ) -> Any:
         from lora_guard.engine import LLM
 
-        settings: dict[str, Any] = {"pin": list(pin)}
+        settings: dict[str, Any] = {**self.settings, "pin": list(pin)}
         if static_adapter is not None:
             settings["static_adapter"] = static_adapter
         return LLM(
