@@ -44,6 +44,7 @@ from lora_guard.bench.virtual.study import (
 )
 from lora_guard.config import add_engine_flags
 from lora_guard.cost_profiles import PROFILES, Profile, profile, profiles_help
+from lora_guard.policies.hot_set import MAX_ADAPTER_WAIT_S
 from lora_guard.simulate_costs import Costs, read_costs
 from lora_guard.workload.scenarios import scenario
 from lora_guard.workload.spec import PROMPT_WORDS
@@ -117,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-adapter-wait-s",
         type=float,
         help="lora-guard's hot-set: a request waiting this long goes ahead of all others and "
-        "may displace any adapter (default 8.0, as served)",
+        f"may displace any adapter (default {MAX_ADAPTER_WAIT_S}, as served)",
     )
     add("--seeds", default=None, help="comma-separated trace seeds (default: 0)")
     add("--seed", type=int, help="one seed: --seeds N")
@@ -193,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": chosen.shape.model,
         "bytes_scale": bench.scale,
         "costs": costs.source,
-        "max_adapter_wait_s": args.max_adapter_wait_s or 8.0,
+        "max_adapter_wait_s": args.max_adapter_wait_s or MAX_ADAPTER_WAIT_S,
         **out,
     }
     print_report(out, runs)

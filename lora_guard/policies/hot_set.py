@@ -71,6 +71,7 @@ from lora_guard.policies.victims import plan_load
 
 FLOOD_SHARE = 2.0  # a tenant running more than this times its share of the batch goes last
 PREFILL_TOKENS = 512  # prompt tokens of new requests one step starts, by default
+MAX_ADAPTER_WAIT_S = 8.0  # a request waiting this long goes first, by default
 SOON = 2  # steps: a request waits for a colder adapter's seat that frees within this many
 
 
@@ -80,7 +81,7 @@ class HotSetPolicy:
         self.seats = 8  # 0: no seat cap
         self.max_loras_per_batch = 0
         self.max_num_seqs = 0  # the engine's, read at configure
-        self.max_wait_s = 8.0
+        self.max_wait_s = MAX_ADAPTER_WAIT_S
         self.heat_window_s = 60.0
         self.prefill_tokens = PREFILL_TOKENS  # 0: no cap
 
@@ -104,7 +105,7 @@ class HotSetPolicy:
         options.add(
             "max_adapter_wait_s",
             float,
-            8.0,
+            MAX_ADAPTER_WAIT_S,
             "a request waiting this long goes ahead of all others and may displace any adapter",
         )
         options.add("heat_window_s", float, 60.0, "sliding window of the heat count, seconds")
@@ -126,7 +127,7 @@ class HotSetPolicy:
             self.hot_set_size = max(self.seats - 1, 0) if self.seats else None
         self.max_loras_per_batch = int(config.get("max_loras_per_batch", 0))
         self.max_num_seqs = int(config.get("max_num_seqs", 0))
-        self.max_wait_s = float(config.get("max_adapter_wait_s", 8.0))
+        self.max_wait_s = float(config.get("max_adapter_wait_s", MAX_ADAPTER_WAIT_S))
         self.prefill_tokens = int(config.get("prefill_tokens_per_step", PREFILL_TOKENS))
         self.heat_window_s = float(config.get("heat_window_s", 60.0))
         if (
