@@ -40,8 +40,9 @@ fi
 echo "bootstrap: installing lora-guard[$EXTRAS]"
 "${pip[@]}" -e ".[$EXTRAS]"
 "$VENV/bin/python" -c "import torch, lora_guard; print('bootstrap: torch', torch.__version__, '| lora-guard', lora_guard.__version__)"
-# The compiled LoRA kernel, built now rather than at the engine's first start; without a C++
-# compiler the engine computes per segment instead, so a failure here stops nothing.
-"$VENV/bin/python" -c "import sys; from lora_guard.engine.lora import kernel; sys.exit(kernel.main())" ||
-    echo "bootstrap: the LoRA kernel was not built; the engine will compute per segment"
+# The engine's compiled operations (the LoRA kernel, the layers' small operations), built now
+# rather than at the engine's first start; without a C++ compiler the engine computes with
+# torch's operations instead, so a failure here stops nothing.
+"$VENV/bin/python" -c "import sys; from lora_guard.engine import native; sys.exit(native.main())" ||
+    echo "bootstrap: the compiled operations were not built; the engine will use torch's"
 printf '%s' "$stamp" >"$stamp_file"

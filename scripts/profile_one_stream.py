@@ -25,7 +25,11 @@ from lora_guard.demo.model import prepare_demo
 
 LINEAR = ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "aten::matmul")
 # torch's kernel, and the batched products of the grouped float32 decode (bfloat16 on the CPU)
-ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm")
+ATTENTION = (
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::bmm",
+    "lora_guard::decode_attention",
+)
 
 
 def main() -> int:

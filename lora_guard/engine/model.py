@@ -18,12 +18,14 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from lora_guard.engine import native
 from lora_guard.engine.linear import Linear, blocked_layout_available
 from lora_guard.engine.spec import FUSED_PROJECTIONS, ModelLoadError, ModelSpec
 
 # Not cuDNN's: it builds a plan for every new shape, and a batch's lengths change every step
 # (bfloat16 on an H200: three calls of one batch 2.6-6.2x slower than with these, docs/engine.md).
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what layer_ops.cpp computes in
 
 if TYPE_CHECKING:
     from lora_guard.engine.lora.compute import LoraBatch
@@ -36,7 +38,8 @@ class AttentionBatch:
     ``prefills`` run one attention call each: (query start, query length, context length, cache
     slots of the context). Single-token decodes are batched: ``decode_rows`` index the flat batch
     in order (without prefills, every row is a decode: ``decode_rows`` is 0, 1, ...),
-    ``decode_slots`` [B, C] the cache, ``decode_mask`` [B, C] marks the valid context.
+    ``decode_slots`` [B, C] the cache, ``decode_mask`` [B, C] marks the valid context, the
+    first ``decode_lengths`` [B] of each row.
     """
 
     slot_mapping: torch.Tensor
@@ -44,6 +47,7 @@ class AttentionBatch:
     decode_rows: torch.Tensor | None
     decode_slots: torch.Tensor | None
     decode_mask: torch.Tensor | None
+    decode_lengths: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -152,6 +156,8 @@ class LlamaModel:
         inv_freq, self.rope_scaling = rope_inv_freq(self.config, s.head_dim)
         self.inv_freq = inv_freq.to(device)
         self.scale = 1.0 / math.sqrt(s.head_dim)
+        #: the layers' small operations compiled (``layer_ops.cpp``): on a CPU, where they build
+        self.fused = device.type == "cpu" and dtype in FUSED_DTYPES and native.load()
 
     def merge_lora(
         self,
@@ -222,7 +228,6 @@ class LlamaModel:
         logits_rows: torch.Tensor,
     ) -> torch.Tensor:
         """Logits [len(logits_rows), vocab] for the requested rows of the flat batch."""
-        s = self.spec
         x = F.embedding(input_ids, self.embed)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -230,29 +235,74 @@ class LlamaModel:
         sin = (emb.sin() * self.rope_scaling).to(self.dtype)[:, None, :]
         half = sin.shape[-1] // 2
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        heads, kv_heads = s.num_heads, s.num_kv_heads
-        qk_size = (heads + kv_heads) * s.head_dim  # queries and keys, rotated together
-        k_cache, v_cache = kv_cache
+        layers = self._fused_layers if self.fused else self._layers
         with sdpa_kernel(ATTENTION_BACKENDS):
-            for i, layer in enumerate(self.layers):
-                h = rms_norm(x, layer.input_norm, s.rms_norm_eps)
-                qkv = self._linear(h, layer, "qkv", i, lora)
-                qk = rotate(
-                    qkv[:, :qk_size].view(-1, heads + kv_heads, s.head_dim), cos, signed_sin
-                )
-                q, k = qk[:, :heads], qk[:, heads:]
-                v = qkv[:, qk_size:].view(-1, kv_heads, s.head_dim)
-                k_cache[i].index_copy_(0, attn.slot_mapping, k)
-                v_cache[i].index_copy_(0, attn.slot_mapping, v)
-                o = self._attention(q, k_cache[i], v_cache[i], attn)
-                x = x + self._linear(o, layer, "o", i, lora)
-                h = rms_norm(x, layer.post_norm, s.rms_norm_eps)
-                gate, up = self._linear(h, layer, "gate_up", i, lora).chunk(2, dim=-1)
-                x = x + self._linear(F.silu(gate) * up, layer, "down", i, lora)
-        h = rms_norm(x[logits_rows], self.norm, s.rms_norm_eps)
+            x = layers(x, cos, signed_sin, attn, kv_cache, lora)
+        h = rms_norm(x[logits_rows], self.norm, self.spec.rms_norm_eps)
         head = self.lm_head
         logits = head(h) if isinstance(head, Linear) else F.linear(h, head)
         return logits.float()
+
+    def _layers(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        attn: AttentionBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        lora: LoraBatch | None,
+    ) -> torch.Tensor:
+        """The decoder layers in torch's operations."""
+        s = self.spec
+        heads, kv_heads = s.num_heads, s.num_kv_heads
+        qk_size = (heads + kv_heads) * s.head_dim  # queries and keys, rotated together
+        k_cache, v_cache = kv_cache
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, s.rms_norm_eps)
+            qkv = self._linear(h, layer, "qkv", i, lora)
+            qk = rotate(qkv[:, :qk_size].view(-1, heads + kv_heads, s.head_dim), cos, signed_sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, qk_size:].view(-1, kv_heads, s.head_dim)
+            k_cache[i].index_copy_(0, attn.slot_mapping, k)
+            v_cache[i].index_copy_(0, attn.slot_mapping, v)
+            o = self._attention(q, k_cache[i], v_cache[i], attn)
+            x = x + self._linear(o, layer, "o", i, lora)
+            h = rms_norm(x, layer.post_norm, s.rms_norm_eps)
+            gate, up = self._linear(h, layer, "gate_up", i, lora).chunk(2, dim=-1)
+            x = x + self._linear(F.silu(gate) * up, layer, "down", i, lora)
+        return x
+
+    def _fused_layers(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        attn: AttentionBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        lora: LoraBatch | None,
+    ) -> torch.Tensor:
+        """The same layers with the compiled operations (``layer_ops.cpp``) in place of the
+        small ones: each residual add joins the next norm, and ``x`` is added to in place."""
+        s, ops = self.spec, torch.ops.lora_guard
+        eps, heads, kv_heads = s.rms_norm_eps, s.num_heads, s.num_kv_heads
+        cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
+        k_layers, v_layers = kv_cache[0].unbind(0), kv_cache[1].unbind(0)
+        down: torch.Tensor | None = None  # the last layer's output, not yet added to x
+        for i, layer in enumerate(self.layers):
+            if down is None:
+                h = ops.rms_norm(x, layer.input_norm, eps)
+            else:
+                h = ops.add_rms_norm(x, down, layer.input_norm, eps)
+            qkv = self._linear(h, layer, "qkv", i, lora)
+            k_cache, v_cache = k_layers[i], v_layers[i]
+            q = ops.rope_cache(
+                qkv, cos, signed_sin, k_cache, v_cache, attn.slot_mapping, heads, kv_heads
+            )
+            o = self._attention(q, k_cache, v_cache, attn)
+            h = ops.add_rms_norm(x, self._linear(o, layer, "o", i, lora), layer.post_norm, eps)
+            up = ops.silu_mul(self._linear(h, layer, "gate_up", i, lora))
+            down = self._linear(up, layer, "down", i, lora)
+        return x if down is None else x + down
 
     def _linear(
         self, x: torch.Tensor, layer: Layer, projection: str, index: int, lora: LoraBatch | None
@@ -300,6 +350,11 @@ class LlamaModel:
         """The single-token decodes' attention: q [B, heads, D], one row per decode."""
         s = self.spec
         assert attn.decode_slots is not None and attn.decode_mask is not None
+        if self.fused:  # read at the slots, no gather
+            o: torch.Tensor = torch.ops.lora_guard.decode_attention(
+                q, k_cache, v_cache, attn.decode_slots, attn.decode_lengths, self.scale
+            )
+            return o
         batch, ctx = attn.decode_slots.shape
         flat = attn.decode_slots.flatten()
         kd = k_cache.index_select(0, flat).view(batch, ctx, s.num_kv_heads, s.head_dim)

@@ -108,6 +108,7 @@ class ModelRunner:
             decode_rows=None,
             decode_slots=None,
             decode_mask=None,
+            decode_lengths=None,
         )
         if decodes:
             self._batch_decodes(attn, decodes)
@@ -142,5 +143,6 @@ class ModelRunner:
         pos = torch.arange(max_blocks * bs, device=self.device)
         slots = tables[:, pos // bs] * bs + pos % bs
         attn.decode_rows = torch.tensor([row for row, _, _ in decodes], device=self.device)
-        attn.decode_slots = slots[:, :max_ctx]
+        attn.decode_slots = slots[:, :max_ctx].contiguous()
         attn.decode_mask = pos[None, :max_ctx] < lengths[:, None]
+        attn.decode_lengths = lengths

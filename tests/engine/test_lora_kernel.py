@@ -17,6 +17,7 @@ from torch.utils._cpp_extension_versioner import ExtensionVersioner
 
 from lora_guard import LLM, SamplingParams
 from lora_guard.demo.testing import AdapterFactory
+from lora_guard.engine import native
 from lora_guard.engine.lora import kernel
 from lora_guard.engine.lora.compute import LoraBatch, LoraSegment, kernel_plan, resolve_mode
 from lora_guard.engine.lora.pool import ModulePart, ProjectionWeights
@@ -45,12 +46,12 @@ def adapters(tiny_adapters: AdapterFactory) -> dict[str, Path]:
 
 @needs_kernel
 def test_the_kernel_builds_and_loads_here() -> None:
-    assert kernel.load(), kernel.error()  # a C++ compiler and ninja are part of the set-up
+    assert native.load(), native.error()  # a C++ compiler and ninja are part of the set-up
 
 
 @needs_kernel
 def test_the_kernel_runs_on_torchs_own_openmp_runtime() -> None:
-    assert kernel.load(), kernel.error()
+    assert native.load(), native.error()
     # A second runtime would bring a second team of threads, and the steps would slow down.
     assert len(openmp_libraries()) == 1, openmp_libraries()
 
@@ -245,12 +246,13 @@ def test_without_a_compiler_auto_falls_back_to_the_loop_with_the_same_update(
     # neither the kernel's nor torch's record of this process's builds.
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
-    monkeypatch.setattr(kernel, "_state", {})
+    monkeypatch.setattr(native, "_state", {})
     monkeypatch.setattr(cpp_extension, "JIT_EXTENSION_VERSIONER", ExtensionVersioner())
     assert resolve_mode("auto", torch.float32, torch.device("cpu")) == "loop"
-    assert not kernel.load() and kernel.error(), kernel.error()
+    assert not native.load() and native.error(), native.error()
     llm = LLM(tiny_model, cache_memory="4MiB")
     assert llm.engine.runner.lora_mode == "loop"
+    assert not llm.engine.model.fused  # the layers in torch's operations too
     llm.engine.shutdown()
 
     torch.manual_seed(0)
@@ -309,10 +311,10 @@ def test_serial_thread_leaves_other_threads_their_threads() -> None:
 def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path: Path) -> None:
     lock = tmp_path / "lock"
     lock.touch()
-    kernel._clear_stale_lock(tmp_path)
+    native._clear_stale_lock(tmp_path)
     assert lock.exists()  # a build under way: wait for it
-    old = time.time() - kernel.STALE_LOCK_S - 1
+    old = time.time() - native.STALE_LOCK_S - 1
     os.utime(lock, (old, old))
-    kernel._clear_stale_lock(tmp_path)
+    native._clear_stale_lock(tmp_path)
     assert not lock.exists()  # no build runs that long: torch would wait for it forever
-    kernel._clear_stale_lock(tmp_path)  # and none at all is fine
+    native._clear_stale_lock(tmp_path)  # and none at all is fine

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lora_guard.engine import native
 from lora_guard.engine.lora import kernel
 from lora_guard.engine.lora.pool import LayerWeights
 from lora_guard.engine.spec import FUSED_PROJECTIONS
@@ -101,10 +102,10 @@ def resolve_mode(
                 "lora_compute=kernel runs on the CPU, for a float32 or bfloat16 model with "
                 "float32 or bfloat16 adapter weights"
             )
-        if not kernel.load():
-            raise ValueError(f"lora_compute=kernel: the kernel cannot be built: {kernel.error()}")
+        if not native.load():
+            raise ValueError(f"lora_compute=kernel: the kernel cannot be built: {native.error()}")
     if mode == "auto":
-        return "kernel" if applies and kernel.load() else "loop"
+        return "kernel" if applies and native.load() else "loop"
     return mode
 
 

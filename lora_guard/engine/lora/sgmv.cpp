@@ -27,6 +27,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "../bf16.h"
+
 extern "C" void sgemm_(const char *transa, const char *transb, const int *m, const int *n,
                        const int *k, const float *alpha, const float *a, const int *lda,
                        const float *b, const int *ldb, const float *beta, float *c,
@@ -53,26 +55,7 @@ typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
 typedef uint16_t Halves __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
-// A weight is a float, or a bfloat16 as its bits (uint16_t): the top half of a float's bits, so
-// it widens exactly by a shift.
-inline float widen(float w) { return w; }
-
-inline float widen(uint16_t w) {
-    const uint32_t bits = static_cast<uint32_t>(w) << 16;
-    float v;
-    __builtin_memcpy(&v, &bits, sizeof v);
-    return v;
-}
-
-// A float rounded to the nearest bfloat16, ties to even (as torch rounds); NaN stays NaN.
-inline uint16_t narrow(float v) {
-    uint32_t bits;
-    __builtin_memcpy(&bits, &v, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return static_cast<uint16_t>(bits >> 16);
-}
-
+// A weight is a float, or a bfloat16 as its bits (bf16.h).
 inline Lanes load(const float *p) {
     Lanes v;
     __builtin_memcpy(&v, p, sizeof v);
