@@ -238,7 +238,12 @@ class LlamaModel:
         layers = self._fused_layers if self.fused else self._layers
         with sdpa_kernel(ATTENTION_BACKENDS):
             x = layers(x, cos, signed_sin, attn, kv_cache, lora)
-        h = rms_norm(x[logits_rows], self.norm, self.spec.rms_norm_eps)
+        rows, eps = x[logits_rows], self.spec.rms_norm_eps
+        h = (
+            torch.ops.lora_guard.rms_norm(rows, self.norm, eps)
+            if self.fused
+            else rms_norm(rows, self.norm, eps)
+        )
         head = self.lm_head
         logits = head(h) if isinstance(head, Linear) else F.linear(h, head)
         return logits.float()
