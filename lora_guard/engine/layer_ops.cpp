@@ -23,7 +23,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "bf16.h"
+#include "vectors.h"
 
 namespace {
 
@@ -33,9 +33,9 @@ namespace {
 #define LAYER_CLONES
 #endif
 
-using bf16 = uint16_t;  // a bfloat16 as its bits (bf16.h)
+using bf16 = uint16_t;  // a bfloat16 as its bits (vectors.h)
 
-// To the element type: a float stays, a bfloat16 is the nearest (bf16.h).
+// To the element type: a float stays, a bfloat16 is the nearest (vectors.h).
 template <typename E>
 inline E narrow_to(float v) {
     if constexpr (std::is_same_v<E, float>) {
@@ -217,8 +217,23 @@ at::Tensor rope_cache(const at::Tensor &qkv, const at::Tensor &cos, const at::Te
     return q;
 }
 
+// softmax of each of the group's rows of scores [group, ctx], in place, in float32.
+LAYER_CLONES void softmax_rows(float *scores, int64_t group, int64_t ctx) {
+    for (int64_t g = 0; g < group; ++g) {
+        float *sg = scores + g * ctx;
+        const float top = *std::max_element(sg, sg + ctx);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t c = 0; c < ctx; ++c) sum += (sg[c] = exp_approx(sg[c] - top));
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t c = 0; c < ctx; ++c) sg[c] *= inv;
+    }
+}
+
 // One sequence's query heads that share a KV head, against its context: scores, softmax and the
-// weighted values in float32, read from the cache at the sequence's slots.
+// weighted values in float32, read from the cache at the sequence's slots. Any group and head
+// size; attend_lanes below is the same for the common ones.
 template <typename E>
 LAYER_CLONES void attend_group(const E *q, const E *kc, const E *vc, const int64_t *slot,
                                int64_t ctx, int64_t group, int64_t d, int64_t row, float scale,
@@ -233,16 +248,8 @@ LAYER_CLONES void attend_group(const E *q, const E *kc, const E *vc, const int64
             scores[g * ctx + c] = s * scale;
         }
     }
+    softmax_rows(scores, group, ctx);
     std::fill(acc, acc + group * d, 0.0f);
-    for (int64_t g = 0; g < group; ++g) {
-        float *sg = scores + g * ctx;
-        const float top = *std::max_element(sg, sg + ctx);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t c = 0; c < ctx; ++c) sum += (sg[c] = exp_approx(sg[c] - top));
-        const float inv = 1.0f / sum;
-        for (int64_t c = 0; c < ctx; ++c) sg[c] *= inv;
-    }
     for (int64_t c = 0; c < ctx; ++c) {
         const E *v = vc + slot[c] * row;
         for (int64_t g = 0; g < group; ++g) {
@@ -252,6 +259,69 @@ LAYER_CLONES void attend_group(const E *q, const E *kc, const E *vc, const int64
         }
     }
     for (int64_t i = 0; i < group * d; ++i) out[i] = narrow_to<E>(acc[i]);
+}
+
+// attend_group for G query heads of CHUNKS * 16 dimensions: the group's queries and sums stay
+// in vector registers, each key and value row is widened once for all G heads.
+template <typename E, int G, int CHUNKS>
+LAYER_CLONES void attend_lanes(const E *q, const E *kc, const E *vc, const int64_t *slot,
+                               int64_t ctx, int64_t row, float scale, float *scores, E *out) {
+    constexpr int d = CHUNKS * kLanes;
+    Lanes qv[G][CHUNKS];
+    for (int g = 0; g < G; ++g)
+        for (int i = 0; i < CHUNKS; ++i) qv[g][i] = load(q + g * d + i * kLanes);
+    for (int64_t c = 0; c < ctx; ++c) {
+        const E *k = kc + slot[c] * row;
+        Lanes kv[CHUNKS];
+        for (int i = 0; i < CHUNKS; ++i) kv[i] = load(k + i * kLanes);
+        for (int g = 0; g < G; ++g) {
+            Lanes s = qv[g][0] * kv[0];
+            for (int i = 1; i < CHUNKS; ++i) s += qv[g][i] * kv[i];
+            scores[g * ctx + c] = total(s) * scale;
+        }
+    }
+    softmax_rows(scores, G, ctx);
+    Lanes acc[G][CHUNKS] = {};
+    for (int64_t c = 0; c < ctx; ++c) {
+        const E *v = vc + slot[c] * row;
+        Lanes vv[CHUNKS];
+        for (int i = 0; i < CHUNKS; ++i) vv[i] = load(v + i * kLanes);
+        for (int g = 0; g < G; ++g) {
+            const float p = scores[g * ctx + c];
+            for (int i = 0; i < CHUNKS; ++i) acc[g][i] += p * vv[i];
+        }
+    }
+    for (int g = 0; g < G; ++g)
+        for (int i = 0; i < CHUNKS; ++i)
+            for (int l = 0; l < kLanes; ++l)
+                out[g * d + i * kLanes + l] = narrow_to<E>(acc[g][i][l]);
+}
+
+// The attend_lanes that fits a group and head size, or nullptr (then attend_group).
+template <typename E>
+using AttendLanes = void (*)(const E *, const E *, const E *, const int64_t *, int64_t, int64_t,
+                             float, float *, E *);
+
+template <typename E, int CHUNKS>
+AttendLanes<E> lanes_for_group(int64_t group) {
+    switch (group) {
+        case 1: return &attend_lanes<E, 1, CHUNKS>;
+        case 2: return &attend_lanes<E, 2, CHUNKS>;
+        case 3: return &attend_lanes<E, 3, CHUNKS>;
+        case 4: return &attend_lanes<E, 4, CHUNKS>;
+        case 5: return &attend_lanes<E, 5, CHUNKS>;
+        case 6: return &attend_lanes<E, 6, CHUNKS>;
+        case 7: return &attend_lanes<E, 7, CHUNKS>;
+        case 8: return &attend_lanes<E, 8, CHUNKS>;
+        default: return nullptr;
+    }
+}
+
+template <typename E>
+AttendLanes<E> lanes_for(int64_t group, int64_t d) {
+    if (d == 64) return lanes_for_group<E, 4>(group);
+    if (d == 128) return lanes_for_group<E, 8>(group);
+    return nullptr;
 }
 
 template <typename E>
@@ -264,12 +334,19 @@ void attend(const at::Tensor &q, const at::Tensor &k_cache, const at::Tensor &v_
     const E *qs = data<E>(q), *kc = data<E>(k_cache), *vc = data<E>(v_cache);
     E *os = data<E>(out);
     const int64_t *sl = slots.data_ptr<int64_t>(), *len = lengths.data_ptr<int64_t>();
+    const float scaled = static_cast<float>(scale);
+    const AttendLanes<E> lanes = lanes_for<E>(group, d);
     at::parallel_for(0, batch * kv_heads, grain(4 * group * width * d), [&](int64_t i0, int64_t i1) {
         std::vector<float> scores(group * width), acc(group * d);
         for (int64_t i = i0; i < i1; ++i) {
             const int64_t b = i / kv_heads, h = i % kv_heads, at_q = (b * heads + h * group) * d;
-            attend_group(qs + at_q, kc + h * d, vc + h * d, sl + b * width, len[b], group, d, row,
-                         static_cast<float>(scale), scores.data(), acc.data(), os + at_q);
+            const E *qi = qs + at_q, *ki = kc + h * d, *vi = vc + h * d;
+            if (lanes != nullptr) {
+                lanes(qi, ki, vi, sl + b * width, len[b], row, scaled, scores.data(), os + at_q);
+            } else {
+                attend_group(qi, ki, vi, sl + b * width, len[b], group, d, row, scaled,
+                             scores.data(), acc.data(), os + at_q);
+            }
         }
     });
 }

@@ -27,7 +27,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "../bf16.h"
+#include "../vectors.h"
 
 extern "C" void sgemm_(const char *transa, const char *transb, const int *m, const int *n,
                        const int *k, const float *alpha, const float *a, const int *lda,
@@ -39,7 +39,6 @@ namespace {
 constexpr int64_t kHead = 4;
 constexpr int64_t kPartFields = 5;
 constexpr int kStreamedTokens = 16;  // segments up to this long take the streaming loops
-constexpr int kLanes = 16;           // independent partial sums of a dot product (vectorized)
 constexpr int kColumnBlock = 512;    // output columns an expand keeps in L1 at a time
 // Below this cost (48 Ki floats, 192 KB, read for one token) one thread does a call's work.
 constexpr int64_t kTeamWork = 48 * 1024 * (1 + kStreamedTokens);
@@ -50,32 +49,6 @@ constexpr int64_t kTeamWork = 48 * 1024 * (1 + kStreamedTokens);
 #else
 #define LORA_CLONES
 #endif
-
-typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
-typedef uint16_t Halves __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-// A weight is a float, or a bfloat16 as its bits (bf16.h).
-inline Lanes load(const float *p) {
-    Lanes v;
-    __builtin_memcpy(&v, p, sizeof v);
-    return v;
-}
-
-inline Lanes load(const uint16_t *p) {
-    Halves h;
-    __builtin_memcpy(&h, p, sizeof h);
-    const Words bits = __builtin_convertvector(h, Words) << 16;
-    Lanes v;
-    __builtin_memcpy(&v, &bits, sizeof v);
-    return v;
-}
-
-inline float total(Lanes v) {
-    float sum = 0.0f;
-    for (int l = 0; l < kLanes; ++l) sum += v[l];
-    return sum;
-}
 
 // out[m * ldo + j] = dot(x[m], a[j]) for N token rows of x and rows j0..j1 of a (row-major,
 // k wide), R rows of a at a time: every element of a read from memory serves all N tokens, and
