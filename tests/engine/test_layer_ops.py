@@ -81,16 +81,24 @@ def test_rope_rotates_queries_and_keys_and_writes_the_cache(ops: Any, dtype: tor
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
 
 
+# (query heads, KV heads, head size): the vector path's sizes, and a plain loop's (a group of
+# ten, heads of 48)
+ATTENTION_SHAPES = [(9, 3, 64), (8, 2, 128), (10, 1, 48)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_reads_each_sequence_at_its_slots(ops: Any, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), ATTENTION_SHAPES)
+def test_decode_attention_reads_each_sequence_at_its_slots(
+    ops: Any, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> None:
     torch.manual_seed(2)
     lengths = torch.tensor([23, 1, 9, 17, 4])
     batch, ctx = len(lengths), int(lengths.max())
-    k_cache = torch.randn(200, KV_HEADS, HEAD_DIM).to(dtype)
-    v_cache = torch.randn(200, KV_HEADS, HEAD_DIM).to(dtype)
+    k_cache = torch.randn(200, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(200, kv_heads, head_dim).to(dtype)
     slots = torch.randperm(200)[: batch * ctx].view(batch, ctx)
-    q = torch.randn(batch, HEADS, HEAD_DIM).to(dtype)
-    got = ops.decode_attention(q, k_cache, v_cache, slots, lengths, HEAD_DIM**-0.5)
+    q = torch.randn(batch, heads, head_dim).to(dtype)
+    got = ops.decode_attention(q, k_cache, v_cache, slots, lengths, head_dim**-0.5)
     keys = k_cache[slots].float().transpose(1, 2)  # [batch, kv heads, ctx, dim]
     values = v_cache[slots].float().transpose(1, 2)
     mask = torch.arange(ctx)[None, :] < lengths[:, None]
@@ -99,11 +107,11 @@ def test_decode_attention_reads_each_sequence_at_its_slots(ops: Any, dtype: torc
         keys,
         values,
         attn_mask=mask[:, None, None, :],
-        scale=HEAD_DIM**-0.5,
+        scale=head_dim**-0.5,
         enable_gqa=True,
     ).squeeze(2)
     assert got.dtype == dtype and close(got, want)
-    group = HEADS // KV_HEADS  # one position: its value, whatever the scores
+    group = heads // kv_heads  # one position: its value, whatever the scores
     assert torch.equal(got[1], v_cache[slots[1, 0]].repeat_interleave(group, dim=0))
 
 
