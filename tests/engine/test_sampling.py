@@ -381,3 +381,15 @@ def test_sampled_logprobs_are_under_the_processed_distribution() -> None:
     assert top_k_one[0] == pytest.approx(0.0)
     expected = torch.log_softmax(logits[0] / 2.0, dim=-1)[token[0]]
     assert hot[0] == pytest.approx(float(expected))
+
+
+def test_greedy_takes_the_first_of_equal_largest_logits_with_its_logprob() -> None:
+    logits = torch.full((3, 70_000), -1.0)
+    logits[0, [3, 60_000]] = 2.0
+    logits[1, 69_999] = 3.0
+    logits[2, [0, 69_999]] = 5.0
+    rows = [SamplerInput(greedy(), None, []) for _ in range(3)]
+    tokens, logprobs = sample(logits, rows)
+    assert tokens == [3, 69_999, 0]
+    want = torch.log_softmax(logits, dim=-1)[[0, 1, 2], [3, 69_999, 0]]
+    assert logprobs == pytest.approx(want.tolist())
