@@ -1,6 +1,6 @@
 // A decoder layer's small operations on the CPU, each one call instead of the handful of torch
 // operations it takes in Python (a decode token of the demo model ran about 5,800 of them, a few
-// microseconds of dispatch each, where its linear layers took 30 calls):
+// microseconds of dispatch each, where its linear layers took 121 calls):
 //   rms_norm       out = w * round(x * rsqrt(mean(x^2) + eps)), the sums in float32
 //   add_rms_norm   x += delta in place, then rms_norm of the new x (a residual and the next norm)
 //   rope_cache     rotate the queries and keys of a fused qkv row, write keys and values into the
