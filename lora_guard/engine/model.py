@@ -38,15 +38,14 @@ class AttentionBatch:
     ``prefills`` run one attention call each: (query start, query length, context length, cache
     slots of the context). Single-token decodes are batched: ``decode_rows`` index the flat batch
     in order (without prefills, every row is a decode: ``decode_rows`` is 0, 1, ...),
-    ``decode_slots`` [B, C] the cache, ``decode_mask`` [B, C] marks the valid context, the
-    first ``decode_lengths`` [B] of each row.
+    ``decode_slots`` [B, C] the cache, of which each row's first ``decode_lengths`` [B] are its
+    context.
     """
 
     slot_mapping: torch.Tensor
     prefills: list[tuple[int, int, int, torch.Tensor]]
     decode_rows: torch.Tensor | None
     decode_slots: torch.Tensor | None
-    decode_mask: torch.Tensor | None
     decode_lengths: torch.Tensor | None
 
 
@@ -354,7 +353,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         """The single-token decodes' attention: q [B, heads, D], one row per decode."""
         s = self.spec
-        assert attn.decode_slots is not None and attn.decode_mask is not None
+        assert attn.decode_slots is not None and attn.decode_lengths is not None
         if self.fused:  # read at the slots, no gather
             o: torch.Tensor = torch.ops.lora_guard.decode_attention(
                 q, k_cache, v_cache, attn.decode_slots, attn.decode_lengths, self.scale
@@ -366,7 +365,8 @@ class LlamaModel:
         vd = v_cache.index_select(0, flat).view(batch, ctx, s.num_kv_heads, s.head_dim)
         grouped = self.device.type == "cpu" and self.dtype != torch.float32
         decode = self._grouped_decode if grouped else self._torch_decode
-        return decode(q, kd, vd, attn.decode_mask)
+        mask = torch.arange(ctx, device=q.device)[None, :] < attn.decode_lengths[:, None]
+        return decode(q, kd, vd, mask)
 
     def _torch_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor

@@ -3,7 +3,7 @@ step's LoRA update for one projection in one call) and a decoder layer's small o
 (``layer_ops.cpp``: norms, rotary embedding with the cache write, decode attention, SiLU).
 
 Built on first use with the machine's C++ compiler and ninja (torch's extension builder; about
-10 s, once per torch and Python version) and kept in torch's extension folder
+25 s on two cores, once per torch and Python version) and kept in torch's extension folder
 (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``); `make bootstrap` builds it ahead.
 A build's lock older than ten minutes (a build killed midway) is removed rather than waited on.
 Where it cannot be built the engine computes LoRA with the per-segment loop and the layers with
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "lora" / "sgmv.cpp", Path(__file__).with_name("layer_ops.cpp")]
 OPS = ("lora_apply", "rms_norm", "add_rms_norm", "rope_cache", "decode_attention", "silu_mul")
-STALE_LOCK_S = 600.0  # a build takes about 10 s here; a lock this old was left by a killed one
+STALE_LOCK_S = 600.0  # a build takes about 25 s here; a lock this old was left by a killed one
 _state: dict[str, object] = {}
 
 

@@ -107,7 +107,6 @@ class ModelRunner:
             prefills=prefills,
             decode_rows=None,
             decode_slots=None,
-            decode_mask=None,
             decode_lengths=None,
         )
         if decodes:
@@ -140,9 +139,7 @@ class ModelRunner:
             tables[i, : len(used)] = torch.tensor(used)
             lengths[i] = ctx
         tables, lengths = tables.to(self.device), lengths.to(self.device)
-        pos = torch.arange(max_blocks * bs, device=self.device)
-        slots = tables[:, pos // bs] * bs + pos % bs
+        pos = torch.arange(max_ctx, device=self.device)
         attn.decode_rows = torch.tensor([row for row, _, _ in decodes], device=self.device)
-        attn.decode_slots = slots[:, :max_ctx].contiguous()
-        attn.decode_mask = pos[None, :max_ctx] < lengths[:, None]
+        attn.decode_slots = tables[:, pos // bs] * bs + pos % bs
         attn.decode_lengths = lengths
