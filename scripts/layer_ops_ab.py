@@ -11,31 +11,12 @@ turn: taking turns inside one process keeps a shared machine's drift out of the 
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-
-from lora_guard import LLM, SamplingParams
-from lora_guard.demo.model import prepare_demo
-
-TOKENS = 64
+from ab_turns import arguments, demo_engine, take_turns
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--turns", type=int, default=3)
-    args = parser.parse_args()
-    demo = prepare_demo(log=lambda _msg: None)
-    names = sorted(p.name for p in demo.adapter_dir.iterdir() if p.is_dir())[:8]
-    llm = LLM(
-        demo.model_dir,
-        adapters={n: demo.adapter_dir / n for n in names},
-        dtype=args.dtype,
-        enable_prefix_caching=False,
-        max_num_seqs=32,
-    )
-    params = SamplingParams(max_new_tokens=TOKENS, ignore_eos=True)
+    args = arguments(__doc__)
+    llm, names = demo_engine(args.dtype)
     cases = {
         "one stream, base model": ([list(range(100, 140))], [None]),
         "32 requests over 8 adapters": (
@@ -45,24 +26,11 @@ def main() -> None:
     }
     model = llm.engine.model
     print(f"{args.dtype}, compiled layer operations: {model.fused}")
-    for case, (prompts, ids) in cases.items():
-        llm.generate(prompts, params, ids)  # warm-up
-        steps: dict[bool, list[float]] = {True: [], False: []}
-        for _ in range(args.turns):
-            for fused in (True, False):
-                model.fused = fused
-                started = time.perf_counter()
-                llm.generate(prompts, params, ids)
-                steps[fused].append((time.perf_counter() - started) * 1000 / TOKENS)
-        model.fused = True
-        ratios = [a / b for a, b in zip(steps[True], steps[False], strict=True)]
-        turns = {f: ", ".join(f"{v:.1f}" for v in steps[f]) for f in (True, False)}
-        print(
-            f"{case}: compiled {statistics.median(steps[True]):.1f} ms a step "
-            f"({turns[True]}), torch's {statistics.median(steps[False]):.1f} ({turns[False]}); "
-            f"step time compiled / torch's per turn {', '.join(f'{r:.3f}' for r in ratios)}, "
-            f"median {statistics.median(ratios):.3f}"
-        )
+
+    def use(fused: bool) -> None:
+        model.fused = fused
+
+    take_turns(llm, cases, use, args.turns, ("compiled", "torch's"))
     llm.engine.shutdown()
 
 

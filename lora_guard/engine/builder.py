@@ -147,12 +147,15 @@ def _model(config: EngineConfig, model_dir: Path) -> LlamaModel:
             "weight_layout=blocked needs float32 or bfloat16 on a CPU whose torch has oneDNN"
         )
     blocked = {"auto": None, "blocked": True, "plain": False}[layout]  # None: where available
+    rows = None if layout == "auto" else False  # the row kernel's copy: auto alone
     if config.torch_device.type == "cpu" and str(config.torch_dtype) == "torch.float16":
         log.warning(
             "float16 on a CPU runs several times slower than bfloat16 (no native half-precision "
             "matrix products here); --dtype bfloat16 keeps 16-bit memory at full speed"
         )
-    return LlamaModel(model_dir, config.torch_dtype, config.torch_device, blocked=blocked)
+    return LlamaModel(
+        model_dir, config.torch_dtype, config.torch_device, blocked=blocked, rows=rows
+    )
 
 
 def _pool_pages(

@@ -203,7 +203,9 @@ class EngineConfig:
         "auto",
         help="how the base model's projections are stored: "
         "blocked (oneDNN's layout, float32 or bfloat16 on the CPU), plain (torch.mm "
-        "over [in, out]), auto (blocked where it applies, else plain)",
+        "over [in, out]), auto (blocked where it applies, else plain; on a CPU where the "
+        "compiled operations build, each weight's rows kept beside it for decode steps of a "
+        "few sequences: twice the weights' memory, docs/engine.md)",
         check=one_of("auto", "blocked", "plain"),
         metavar="LAYOUT",
     )

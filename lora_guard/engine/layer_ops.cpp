@@ -35,16 +35,6 @@ namespace {
 
 using bf16 = uint16_t;  // a bfloat16 as its bits (vectors.h)
 
-// To the element type: a float stays, a bfloat16 is the nearest (vectors.h).
-template <typename E>
-inline E narrow_to(float v) {
-    if constexpr (std::is_same_v<E, float>) {
-        return v;
-    } else {
-        return narrow(v);
-    }
-}
-
 // exp(v) within about one float32 ulp, without branches so loops of it vectorize (the C
 // library's expf does not): v = n ln2 + r, |r| <= ln2 / 2, exp(r) by its series to r^7, times 2^n.
 [[gnu::always_inline]] inline float exp_approx(float v) {

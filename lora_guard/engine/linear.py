@@ -7,6 +7,13 @@ about half the time in its matmuls that ``torch.mm`` over the plain weights did;
 one-stream step gains most (docs/benchmarks.md). Elsewhere (float16, GPUs) the weight stays a
 plain ``[in, out]`` tensor multiplied with ``torch.mm``. The blocked weight
 replaces the plain one: a merge (``dense`` / ``replace``) unpacks and packs again.
+
+With ``rows``, a projection also keeps its weight's rows ``[out, in]`` for a decode step's few
+rows: the compiled ``row_linear`` (``row_linear.cpp``) streams them from memory once for all
+the step's sequences, faster than oneDNN's blocked kernel up to :data:`ROW_KERNEL_ROWS` rows
+(one stream of the demo model in bfloat16: 0.73x the step time, docs/benchmarks.md); larger
+batches and prefills take the other layout. That is a second copy of the weights; a tied head's
+rows are the embedding table itself.
 """
 
 from __future__ import annotations
@@ -15,6 +22,9 @@ import torch
 
 # Rows the blocked layout is tuned for; any number of rows multiplies correctly.
 _TUNED_ROWS = 32
+# Most rows of x for which the row kernel beats oneDNN's blocked one, by the weight's dtype
+# (scripts/row_linear_timings.py: the demo's projections, two threads).
+ROW_KERNEL_ROWS = {torch.bfloat16: 3, torch.float32: 8}
 
 
 def blocked_layout_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -30,14 +40,25 @@ def blocked_layout_available(dtype: torch.dtype, device: torch.device) -> bool:
 class Linear:
     """``y = x @ weight.T + bias`` for a weight given ``[out, in]``."""
 
-    __slots__ = ("_weight", "bias", "blocked")
+    __slots__ = ("_rows", "_weight", "bias", "blocked", "row_limit")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, blocked: bool) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, *, blocked: bool, rows: bool = False
+    ) -> None:
+        """``rows``: also keep ``weight``'s rows for the row kernel (the compiled library must
+        be loaded, ``engine/native``)."""
         self.blocked = blocked
         self.bias = bias
+        self.row_limit = ROW_KERNEL_ROWS.get(weight.dtype, 0) if rows else 0
+        self._rows = weight.contiguous() if self.row_limit else None
         self._weight = self._store(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._rows is not None and 0 < x.shape[0] <= self.row_limit:
+            rows: torch.Tensor = torch.ops.lora_guard.row_linear(
+                x.contiguous(), self._rows, self.bias
+            )
+            return rows
         if self.blocked:
             y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
                 x, self._weight, self.bias, "none", [], ""
@@ -49,18 +70,32 @@ class Linear:
 
     def dense(self) -> torch.Tensor:
         """A plain ``[out, in]`` copy of the weight."""
+        if self._rows is not None:
+            return self._rows.clone()
         if self.blocked:
             return self._weight.to_dense()
         return self._weight.t().contiguous()
 
     def replace(self, weight: torch.Tensor) -> None:
         """Use ``weight`` (``[out, in]``) from now on."""
+        if self._rows is not None:
+            self._rows = weight.contiguous()
         self._weight = self._store(weight)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What this projection holds: its weight in each layout kept, and its bias."""
+        held = [self._weight] if self._rows is None else [self._weight, self._rows]
+        return held if self.bias is None else [*held, self.bias]
 
     @property
     def nbytes(self) -> int:
-        tensors = [self._weight] if self.bias is None else [self._weight, self.bias]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes one multiplication reads: the weight in one layout, and the bias."""
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self._weight.numel() * self._weight.element_size() + bias
 
     def _store(self, weight: torch.Tensor) -> torch.Tensor:
         if self.blocked:

@@ -105,9 +105,12 @@ class LlamaModel:
         device: torch.device,
         *,
         blocked: bool | None = None,
+        rows: bool | None = None,
     ) -> None:
         """``blocked``: keep the projections in oneDNN's blocked layout (default: where it is
-        available, see ``engine/linear``)."""
+        available, see ``engine/linear``); ``rows``: also keep their rows for decode steps of
+        a few sequences, multiplied by the compiled row kernel (default: where the compiled
+        operations load)."""
         from transformers import AutoConfig
 
         self.config = AutoConfig.from_pretrained(model_dir)
@@ -121,12 +124,22 @@ class LlamaModel:
                 raise ModelLoadError(f"{model_dir} lacks the tensor {name}")
             return weights.pop(name).to(device=device, dtype=dtype).contiguous()
 
+        #: the layers' small operations compiled (``layer_ops.cpp``): on a CPU, where they build
+        self.fused = device.type == "cpu" and dtype in FUSED_DTYPES and native.load()
         self.embed = w("model.embed_tokens.weight")
         self.blocked = blocked_layout_available(dtype, device) if blocked is None else blocked
+        self.rows = self.fused if rows is None else rows
+        if self.rows and not self.fused:
+            raise ModelLoadError(
+                f"the row kernel needs the compiled operations on a CPU in float32 or bfloat16 "
+                f"({native.error() or f'{device.type}, {dtype}'})"
+            )
         head = self.embed if s.tie_word_embeddings else w("lm_head.weight")
-        # A tied head multiplies the embedding table itself, unless it gets a blocked copy.
+        # A tied head multiplies the embedding table itself, unless it gets another layout.
         self.lm_head: Linear | torch.Tensor = (
-            Linear(head, None, blocked=True) if self.blocked else head
+            Linear(head, None, blocked=self.blocked, rows=self.rows)
+            if self.blocked or self.rows
+            else head
         )
         self.norm = w("model.norm.weight")
         self.layers: list[Layer] = []
@@ -134,7 +147,7 @@ class LlamaModel:
         def linear(names: tuple[str, ...], prefix: str, bias: bool) -> Linear:
             weight = torch.cat([w(f"{prefix}{m}.weight") for m in names])
             b = torch.cat([w(f"{prefix}{m}.bias") for m in names]).contiguous() if bias else None
-            return Linear(weight, b, blocked=self.blocked)
+            return Linear(weight, b, blocked=self.blocked, rows=self.rows)
 
         for i in range(s.num_layers):
             p = f"model.layers.{i}."
@@ -155,8 +168,6 @@ class LlamaModel:
         inv_freq, self.rope_scaling = rope_inv_freq(self.config, s.head_dim)
         self.inv_freq = inv_freq.to(device)
         self.scale = 1.0 / math.sqrt(s.head_dim)
-        #: the layers' small operations compiled (``layer_ops.cpp``): on a CPU, where they build
-        self.fused = device.type == "cpu" and dtype in FUSED_DTYPES and native.load()
 
     def merge_lora(
         self,
@@ -201,20 +212,27 @@ class LlamaModel:
         return 3 * largest
 
     def weight_bytes(self) -> int:
+        """Bytes the weights hold, each tensor once (a tied head's rows are the embedding table)."""
         tensors = [self.embed, self.norm, *(t for layer in self.layers for t in layer.norms)]
         linears = [p for layer in self.layers for p in layer.projections.values()]
         if isinstance(self.lm_head, Linear):
             linears.append(self.lm_head)
         elif self.lm_head is not self.embed:
             tensors.append(self.lm_head)
-        return sum(t.numel() * t.element_size() for t in tensors) + sum(p.nbytes for p in linears)
+        held = {id(t): t for t in [*tensors, *(t for p in linears for t in p.tensors())]}
+        return sum(t.numel() * t.element_size() for t in held.values())
 
     def step_bytes(self) -> int:
-        """Bytes of weights one step reads: all of them but the embedding table, which a step
-        only gathers rows from (unless the head multiplies the table itself)."""
-        if self.lm_head is self.embed:
-            return self.weight_bytes()
-        return self.weight_bytes() - self.embed.numel() * self.embed.element_size()
+        """Bytes of weights one step reads: each projection's weight in one layout, the norms
+        and the head; the embedding table only where the head multiplies it (a step gathers
+        just its rows from it)."""
+        norms = [self.norm, *(t for layer in self.layers for t in layer.norms)]
+        linears = [p for layer in self.layers for p in layer.projections.values()]
+        head = self.lm_head
+        read = sum(t.numel() * t.element_size() for t in norms) + sum(p.read_bytes for p in linears)
+        if isinstance(head, Linear):
+            return read + head.read_bytes
+        return read + head.numel() * head.element_size()
 
     @torch.inference_mode()
     def forward(

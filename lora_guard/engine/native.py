@@ -25,8 +25,20 @@ from lora_guard.clock import timer, wall
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "lora" / "sgmv.cpp", Path(__file__).with_name("layer_ops.cpp")]
-OPS = ("lora_apply", "rms_norm", "add_rms_norm", "rope_cache", "decode_attention", "silu_mul")
+SOURCES = [
+    Path(__file__).parent / "lora" / "sgmv.cpp",
+    Path(__file__).with_name("layer_ops.cpp"),
+    Path(__file__).with_name("row_linear.cpp"),
+]
+OPS = (
+    "lora_apply",
+    "rms_norm",
+    "add_rms_norm",
+    "rope_cache",
+    "decode_attention",
+    "silu_mul",
+    "row_linear",
+)
 STALE_LOCK_S = 600.0  # a build takes about 25 s here; a lock this old was left by a killed one
 _state: dict[str, object] = {}
 

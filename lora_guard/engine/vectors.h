@@ -1,10 +1,11 @@
-// What the engine's compiled operations (lora/sgmv.cpp, layer_ops.cpp) share: bfloat16 as its
-// bits (uint16_t), the top half of a float's bits, so it widens exactly by a shift and narrows
-// to the nearest, ties to even, as torch rounds (branch-free, so loops of them vectorize); and
+// What the engine's compiled operations (lora/sgmv.cpp, layer_ops.cpp, row_linear.cpp) share:
+// bfloat16 as its bits (uint16_t), the top half of a float's bits, so it widens exactly by a
+// shift and narrows to the nearest, ties to even, as torch rounds (branch-free, so loops of them vectorize); and
 // sixteen floats as one vector (GCC's vector extension), loaded from floats or bfloat16.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 inline float widen(float v) { return v; }
 
@@ -22,6 +23,16 @@ inline float widen(float v) { return v; }
     const uint32_t nearest = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
     const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
     return static_cast<uint16_t>(nan ? (bits >> 16) | 0x40u : nearest);
+}
+
+// To the element type: a float stays, a bfloat16 (its bits) is the nearest.
+template <typename E>
+inline E narrow_to(float v) {
+    if constexpr (std::is_same_v<E, float>) {
+        return v;
+    } else {
+        return narrow(v);
+    }
 }
 
 constexpr int kLanes = 16;  // independent partial sums of a dot product (vectorized)

@@ -91,14 +91,29 @@ def test_a_merge_into_blocked_weights_changes_the_logits_and_unmerges_exactly(
 
 @needs_blocked
 def test_a_step_reads_the_blocked_head_not_the_embedding_table(tiny_model: Path) -> None:
-    blocked = LlamaModel(tiny_model, torch.float32, CPU)
-    plain = LlamaModel(tiny_model, torch.float32, CPU, blocked=False)
+    blocked = LlamaModel(tiny_model, torch.float32, CPU, rows=False)
+    plain = LlamaModel(tiny_model, torch.float32, CPU, blocked=False, rows=False)
     table = blocked.embed.numel() * 4
     assert blocked.spec.tie_word_embeddings
     # The blocked head is a second copy of the tied table; a step reads it, not the table.
     assert blocked.weight_bytes() >= plain.weight_bytes() + table
     assert blocked.step_bytes() == blocked.weight_bytes() - table
     assert plain.step_bytes() == plain.weight_bytes()
+
+
+@needs_blocked
+def test_the_rows_kept_beside_the_blocked_weights_are_held_once_and_read_instead(
+    tiny_model: Path,
+) -> None:
+    both = LlamaModel(tiny_model, torch.float32, CPU)  # the default: blocked, and the rows
+    blocked = LlamaModel(tiny_model, torch.float32, CPU, rows=False)
+    assert both.blocked and both.rows and not blocked.rows
+    projections = [p for layer in both.layers for p in layer.projections.values()]
+    rows = sum(p.nbytes - p.read_bytes for p in projections)
+    assert rows == sum(p.dense().numel() * 4 for p in projections)
+    # The tied head's rows are the embedding table itself: no third copy of it.
+    assert both.weight_bytes() == blocked.weight_bytes() + rows
+    assert both.step_bytes() == blocked.step_bytes()
 
 
 @needs_blocked
@@ -114,6 +129,7 @@ def test_the_engine_answers_the_same_in_either_layout(
     for layout in ("blocked", "plain"):
         llm = LLM(tiny_model, adapters=adapters, cache_memory="4MiB", weight_layout=layout)
         assert llm.engine.model.blocked == (layout == "blocked")
+        assert not llm.engine.model.rows  # the row kernel's copy is auto's alone
         outs[layout] = [o.token_ids for o in llm.generate(prompts, params, ids)]
         llm.engine.shutdown()
     assert outs["blocked"] == outs["plain"]
@@ -124,5 +140,5 @@ def test_a_blocked_layout_that_cannot_apply_is_a_config_error(tiny_model: Path) 
         LLM(tiny_model, cache_memory="4MiB", dtype="float16", weight_layout="blocked")
     fp16 = LLM(tiny_model, cache_memory="4MiB", dtype="float16")  # auto: plain
     assert not fp16.engine.model.blocked
-    bf16 = LLM(tiny_model, cache_memory="4MiB", dtype="bfloat16")  # auto: blocked
-    assert bf16.engine.model.blocked
+    bf16 = LLM(tiny_model, cache_memory="4MiB", dtype="bfloat16")  # auto: blocked, and the rows
+    assert bf16.engine.model.blocked and bf16.engine.model.rows

@@ -253,6 +253,7 @@ def test_without_a_compiler_auto_falls_back_to_the_loop_with_the_same_update(
     llm = LLM(tiny_model, cache_memory="4MiB")
     assert llm.engine.runner.lora_mode == "loop"
     assert not llm.engine.model.fused  # the layers in torch's operations too
+    assert not llm.engine.model.rows  # nor the row kernel
     llm.engine.shutdown()
 
     torch.manual_seed(0)
