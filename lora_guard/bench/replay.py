@@ -72,6 +72,7 @@ class EngineOptions:
     dtype: str = "float32"
     lora_dtype: str = "auto"  # the adapters' pages: auto is dtype
     device: str = "cpu"
+    request_log: str | None = None  # lora-guard's server: where it logs each request's times
 
     def llm(self, **knobs: Any) -> LLM:
         """An engine on this model, these adapters, this KV pool and these dtypes, with ``knobs``

@@ -44,6 +44,7 @@ from lora_guard.bench.sweep_report import (
     write_sweep_plot,
 )
 from lora_guard.bench.systems import SYSTEMS, System, make_system
+from lora_guard.bench.time_split import RequestLogReader, split_text, time_split
 from lora_guard.bench.vllm_peer import vllm_mode
 from lora_guard.clock import monotonic
 from lora_guard.demo.scrape import metric_samples
@@ -79,6 +80,8 @@ class Point:
     # share of the machine's matrix rate the throughput's FLOPs take
     flops_per_token: float | None = None
     machine_share: float | None = None
+    # where the requests' time went, where the server logs its side (lora_guard.bench.time_split)
+    time_split: dict[str, float] | None = None
 
 
 def measure(
@@ -167,6 +170,7 @@ def run_system(
     points: list[Point] = []
     peak = 0
     route = load.completions(system.body)
+    times = None if system.request_log is None else RequestLogReader(system.request_log)
     with serving(system.launch, _port(system.launch), log_file) as (server, url):
 
         def extra() -> Iterator[tuple[int, list[TraceRequest]]]:
@@ -178,6 +182,8 @@ def run_system(
                 failed = [r.error for r in closed_loop(url, trace, 1, route) if r.error]
                 if failed:
                     raise PeerError(f"{system.name}: the warm-up failed: {failed[0]}")
+                if times is not None:
+                    times.skip()
                 continue
             with paused(server):  # the machine's own rate, not what the server leaves of it
                 speed = ceiling.machine_gflops() if ceiling is not None else machine_speed()
@@ -191,6 +197,8 @@ def run_system(
             point = measure(replies, trace, clients, speed)
             hit_rate = cache_hit_rate(cached_before, cache_counts(url, system.cache_counters))
             point = replace(point, prefix_cache_hit_rate=hit_rate)
+            if times is not None:
+                point = replace(point, time_split=time_split(replies, times.new_lines()))
             if ceiling is not None:
                 flops = ceiling.flops(trace)
                 share = machine_share(point.tokens_per_s, flops, speed)
@@ -202,6 +210,8 @@ def run_system(
             cache = "" if hit_rate is None else f", prefix cache hit {hit_rate:.2f}"
             if point.machine_share is not None:
                 cache += f", {point.machine_share:.2f} of the machine"
+            if point.time_split is not None:
+                cache += f"; time {split_text(point.time_split)}"
             progress(
                 f"{system.name} {what}: {point.tokens_per_s:.1f} tok/s, TTFT p50 "
                 f"{ms(point.ttft_p50_ms)} p95 {ms(point.ttft_p95_ms)}, "
@@ -289,6 +299,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     }
     logs: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="lora-guard-sweep-") as scratch:
+        # lora-guard's server logs each request's times; the JSON keeps each point's split
+        options = replace(options, request_log=str(Path(scratch) / "lora-guard-requests.jsonl"))
         try:
             made = {
                 name: make_system(name, options, served, args.peer_port + i, progress)
@@ -309,6 +321,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 )
                 logs[f"{name}-matched"] = shared(log.read_text(errors="replace"))
                 report["systems"][name]["matched"] = asdict(points[0])
+                if system.request_log is not None and system.request_log.exists():
+                    logs[f"{name}-requests"] = system.request_log.read_text()
         except (PeerError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

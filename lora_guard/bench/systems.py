@@ -18,6 +18,7 @@ import importlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from lora_guard.bench.load import Body
 from lora_guard.bench.replay import EngineOptions
@@ -35,6 +36,8 @@ class System:
     # the counters on its /metrics of prompt tokens found in its prefix cache and of all prompt
     # tokens, where it has both
     cache_counters: tuple[str, str] | None = None
+    # where the server logs each request's times (lora_guard.server.request_log), if it does
+    request_log: Path | None = None
 
 
 Log = Callable[[str], None]
@@ -56,9 +59,12 @@ def _lora_guard(options: EngineOptions, adapters: list[str], port: int, log: Log
     command += ["--max-num-seqs", str(options.max_num_seqs)]
     if options.max_loras:
         command += ["--max-loras", str(options.max_loras)]
+    request_log = None if options.request_log is None else Path(options.request_log)
+    if request_log is not None:
+        command += ["--request-log", str(request_log)]
     counters = ("lora_guard_prefix_cache_hit_tokens_total", "tgi_request_input_length_sum")
     # "tgi": its base model's alias
-    return System("lora-guard", ServerLaunch(command, {}), by_model("tgi"), counters)
+    return System("lora-guard", ServerLaunch(command, {}), by_model("tgi"), counters, request_log)
 
 
 def _peft(options: EngineOptions, adapters: list[str], port: int, log: Log) -> System:

@@ -229,6 +229,9 @@ _ROWS: tuple[Setting, ...] = (
             "than --max-total-tokens", metavar="N", default_text="max total tokens - 1"),
     Setting("max_stop_sequences", at_least(0), 4, "most stop sequences per request",
             metavar="N"),
+    Setting("request_log", _path, None, "append one JSON line a generation request: where its "
+            "time went (queue, the engine steps that computed it, the engine's time between "
+            "them, HTTP), keyed by its X-Request-Id (docs/metrics.md)", metavar="FILE"),
     Setting("api_key_file", _path, None, "TOML file of API keys ([keys.NAME] with key or sha256, "
             "tenant, adapters, admin); without it the tenant comes from X-Tenant-Id, else "
             "X-Gateway-Inference-Fairness-Id",

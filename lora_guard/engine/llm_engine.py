@@ -14,7 +14,7 @@ import torch
 from lora_guard.clock import timer, wall
 from lora_guard.engine.config import EngineConfig
 from lora_guard.engine.errors import RequestError as RequestError  # re-exported
-from lora_guard.engine.outputs import EngineStats, RequestOutput, StepLog, StepRecord
+from lora_guard.engine.outputs import EngineStats, JsonLog, RequestOutput, StepRecord
 from lora_guard.engine.queries import EngineQueries
 from lora_guard.engine.request_check import RequestCheck
 from lora_guard.engine.runner import ModelRunner, StepResult
@@ -53,7 +53,7 @@ class LLMEngine(EngineQueries):
         self.model, self.pool = runner.model, runner.pool
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
-        self.step_log = StepLog.open(config.step_log)
+        self.step_log = JsonLog.open(config.step_log)
 
     # requests
     def add_request(
@@ -104,7 +104,7 @@ class LLMEngine(EngineQueries):
 
     # the step
     def step(self) -> list[RequestOutput]:
-        started, loads = timer(), self.adapters.stats.loads
+        started, begun, loads = timer(), self.clock(), self.adapters.stats.loads
         try:
             plan = self.scheduler.schedule()
             outputs = [self._fail(f.seq, f.reason, f.retry_after) for f in plan.failed]
@@ -121,15 +121,22 @@ class LLMEngine(EngineQueries):
                 outputs += [self._fail(s.seq, f"generation failed: {exc}") for s in plan.scheduled]
                 self._step_finished(0, timer() - started)  # observers see blocks freed
                 return outputs
-            return outputs + self._postprocess(plan, result, started, loads)
+            return outputs + self._postprocess(plan, result, (started, begun), loads)
         finally:
             self.scheduler.end_step()
 
     def _postprocess(
-        self, plan: SchedulerOutput, result: StepResult, started: float, loads: int
+        self, plan: SchedulerOutput, result: StepResult, start: tuple[float, float], loads: int
     ) -> list[RequestOutput]:
-        prefill = plan.prefill_tokens()
+        """``start``: when the step began, on the wall timer and on the engine's clock."""
+        (started, begun), prefill = start, plan.prefill_tokens()
         self.scheduler.advance(plan)
+        seconds = timer() - started
+        for scheduled in plan.scheduled:
+            seq = scheduled.seq
+            seq.step_s += seconds
+            if seq.first_step_time is None:
+                seq.first_step_time = begun
         now, outputs = self.clock(), []
         for seq, token, logprob in zip(result.sampled, result.tokens, result.logprobs, strict=True):
             if seq.first_token_time is None:

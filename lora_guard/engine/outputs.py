@@ -7,7 +7,7 @@ import logging
 import os
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import TextIO
+from typing import Any, TextIO
 
 from lora_guard.engine.sequence import Sequence
 from lora_guard.engine.values import ConfigError
@@ -32,6 +32,11 @@ class RequestOutput:
     retry_after: float | None = None  # set when a policy answered "busy, retry later"
     held_s: float = 0.0  # seconds a policy left it out of the batch while it waited
     adapter_wait_s: float = 0.0  # seconds it waited for its adapter before its first token
+    # From its arrival, on the engine's clock: to the start of the first step that computed it
+    # and to its end (None until then); and the steps that computed it, summed (wall seconds).
+    queue_s: float | None = None
+    finished_s: float | None = None
+    step_s: float = 0.0
 
     @classmethod
     def of(cls, seq: Sequence, text: str, stop_sequence: str | None = None) -> RequestOutput:
@@ -49,7 +54,14 @@ class RequestOutput:
             retry_after=seq.retry_after,
             held_s=seq.held_s,
             adapter_wait_s=seq.first_adapter_wait_s,
+            queue_s=_since(seq.arrival_time, seq.first_step_time),
+            finished_s=_since(seq.arrival_time, seq.finished_time),
+            step_s=seq.step_s,
         )
+
+
+def _since(start: float, moment: float | None) -> float | None:
+    return None if moment is None else moment - start
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,24 +95,32 @@ STEP_LOG_MAX_BYTES = 64 * 2**20  # then FILE becomes FILE.1 (one kept) and a new
 STEP_LOG_CHECK_EVERY = 256  # lines between two looks at the file's size
 
 
-class StepLog:
-    """One JSON line a step (``--step-log FILE``), line buffered: each line one append, so
-    replicas may share a file. Past ``max_bytes`` the file is renamed ``FILE.1`` (the one
-    before it dropped) and a new one begins; a writer whose file another replica renamed
-    follows to the new one. A failed write stops the log, never the engine."""
+class JsonLog:
+    """One JSON line a record (a step's, ``--step-log FILE``; a request's, ``--request-log
+    FILE``), line buffered: each line one append, so replicas may share a file. Past
+    ``max_bytes`` the file is renamed ``FILE.1`` (the one before it dropped) and a new one
+    begins; a writer whose file another replica renamed follows to the new one. A failed write
+    stops the log, never the engine."""
 
     def __init__(
-        self, path: str | None, file: TextIO | None, max_bytes: int = STEP_LOG_MAX_BYTES
+        self,
+        path: str | None,
+        file: TextIO | None,
+        max_bytes: int = STEP_LOG_MAX_BYTES,
+        setting: str = "step_log",
     ) -> None:
-        self.path, self.file, self.max_bytes = path, file, max_bytes
+        self.path, self.file, self.max_bytes, self.setting = path, file, max_bytes, setting
         self.lines = 0
 
     @classmethod
-    def open(cls, path: str | None, max_bytes: int = STEP_LOG_MAX_BYTES) -> StepLog:
+    def open(
+        cls, path: str | None, max_bytes: int = STEP_LOG_MAX_BYTES, setting: str = "step_log"
+    ) -> JsonLog:
         try:
-            return cls(path, open(path, "a", buffering=1) if path else None, max_bytes)
+            file = open(path, "a", buffering=1) if path else None  # noqa: SIM115 (kept open)
+            return cls(path, file, max_bytes, setting)
         except OSError as exc:
-            raise ConfigError(f"step_log: cannot write {path}: {exc.strerror}") from None
+            raise ConfigError(f"{setting}: cannot write {path}: {exc.strerror}") from None
 
     def _rotate_when_full(self) -> None:
         assert self.file is not None and self.path is not None
@@ -121,7 +141,8 @@ class StepLog:
     def writing(self) -> bool:
         return self.file is not None
 
-    def write(self, record: StepRecord) -> None:
+    def write(self, record: Any) -> None:
+        """``record``: a dataclass instance, one line of its fields."""
         if self.file is None:
             return
         try:
@@ -130,7 +151,7 @@ class StepLog:
             if self.lines % STEP_LOG_CHECK_EVERY == 0:
                 self._rotate_when_full()
         except OSError as exc:  # a full disk
-            log.warning("step log %s stopped: %s", self.path, exc)
+            log.warning("%s %s stopped: %s", self.setting.replace("_", " "), self.path, exc)
             self.file = None
 
     def close(self) -> None:

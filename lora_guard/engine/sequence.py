@@ -78,6 +78,8 @@ class Sequence:
     generator: torch.Generator | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    first_step_time: float | None = None  # when the first step that computed it began
+    step_s: float = 0.0  # wall seconds of the steps that computed it, summed
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -12,6 +12,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from lora_guard import __version__
 from lora_guard.server import errors, routes_admin, routes_openai, routes_tgi, routes_tokens
 from lora_guard.server.errors import APIError
+from lora_guard.server.request_log import RequestTimes
 from lora_guard.server.state import ServerState
 
 OPEN_PATHS = frozenset({"/health", "/info"})  # probes; /metrics needs an admin key
@@ -41,8 +42,9 @@ def create_app(state: ServerState) -> FastAPI:
 class Door:
     """Every HTTP request's first stop: stamps its arrival (``request.state.arrival``, the
     engine's clock, which its TTFT and queue time count from) and, when API keys are
-    configured, authenticates it (``request.state.api_key``). A plain ASGI middleware, so that
-    streamed answers pass through untouched."""
+    configured, authenticates it (``request.state.api_key``); once a generation's answer is
+    written, its times go to the request log (``--request-log``). A plain ASGI middleware, so
+    that streamed answers pass through untouched."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app, self.state = app, state
@@ -59,3 +61,13 @@ class Door:
                     await JSONResponse(exc.body(), status_code=exc.status)(scope, receive, send)
                     return
         await self.app(scope, receive, send)
+        if scope["type"] == "http" and self.state.request_log.writing:
+            self._log(scope)
+
+    def _log(self, scope: Scope) -> None:
+        run = scope["state"].get("run")
+        if run is None or run.last is None:
+            return  # not a generation, or refused before the engine took it
+        total = self.state.engine.clock() - scope["state"]["arrival"]
+        client_id = Request(scope).headers.get("x-request-id")
+        self.state.request_log.write(RequestTimes.of(run.last, total, scope["path"], client_id))

@@ -44,18 +44,21 @@ class Run:
     params: SamplingParams
     first: RequestOutput
     rest: AsyncGenerator[RequestOutput, None]
+    last: RequestOutput | None = None  # the latest output read (the request log's)
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """Every output, the first included; the last one is finished."""
+        self.last = self.first
         yield self.first
         async for out in self.rest:
+            self.last = out
             yield out
 
     async def final(self) -> RequestOutput:
-        last = self.first
+        self.last = self.first
         async for out in self.rest:
-            last = out
-        return last
+            self.last = out
+        return self.last
 
 
 async def start(request: Request, ask: Ask) -> Run:
@@ -70,7 +73,9 @@ async def start(request: Request, ask: Ask) -> Run:
     params = _sampling(state, len(prompt), ask.max_new_tokens, ask.sampling)
     arrival = getattr(request.state, "arrival", None)
     outputs = state.generate(prompt, params, adapter_id, tenant, openai=ask.openai, arrival=arrival)
-    return Run(prompt, params, await outputs.__anext__(), outputs)
+    run = Run(prompt, params, await outputs.__anext__(), outputs)
+    request.state.run = run  # the server's door logs its times once the answer is written
+    return run
 
 
 def sse(run: Run, events: AsyncIterator[dict[str, Any]], *, openai: bool) -> StreamingResponse:

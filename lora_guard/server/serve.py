@@ -18,6 +18,7 @@ import uvicorn
 from lora_guard.config import INPUT_BELOW_TOTAL, SETTINGS_BY_NAME
 from lora_guard.engine.async_engine import AsyncEngine
 from lora_guard.engine.llm_engine import LLMEngine
+from lora_guard.engine.outputs import JsonLog
 from lora_guard.server.app import create_app
 from lora_guard.server.auth import KeyRing
 from lora_guard.server.state import Limits, ServerState
@@ -115,12 +116,16 @@ def state_for(
     if metrics is not None:
         metrics.model_name = engine.model_id  # the label routers match a base-model request by
         metrics.publish(engine.state())
+    log_file = settings.get("request_log")
     return ServerState(
         AsyncEngine(engine),
         limits_for(engine, settings),
         metrics=metrics,
         keys=keys,
         adapter_dirs=list(adapter_dirs or []),
+        request_log=JsonLog.open(
+            None if log_file is None else str(log_file), setting="request_log"
+        ),
     )
 
 

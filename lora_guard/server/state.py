@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from lora_guard.engine.async_engine import AsyncEngine
-from lora_guard.engine.outputs import RequestOutput
+from lora_guard.engine.outputs import JsonLog, RequestOutput
 from lora_guard.engine.sampling import SamplingParams
 from lora_guard.server.errors import ENGINE_ERRORS, from_engine, generation, overloaded, unavailable
 
@@ -33,6 +33,7 @@ class ServerState:
     ready: bool = True
     keys: Any = None  # a KeyRing when --api-key-file is set
     adapter_dirs: list[Path] = field(default_factory=list)
+    request_log: JsonLog = field(default_factory=lambda: JsonLog.open(None))  # --request-log
 
     @property
     def llm(self) -> Any:

@@ -233,10 +233,17 @@ def test_one_command_sweeps_lora_guard_and_peft_over_http(
             assert p["machine_gflops"] > 0  # the machine's speed, measured before the point
             if name == "lora-guard":  # its /metrics says how much of the prompts it had cached
                 assert 0 < p["prefix_cache_hit_rate"] < 1
+                # and its request log where each request's time went, joined by X-Request-Id
+                split = p["time_split"]
+                assert split["requests"] == p["completed"] and split["request_ms"] > 0
+                parts = ("queue", "step", "between_steps", "http", "client")
+                assert sum(split[k] for k in parts) == pytest.approx(1.0)
+                assert split["step"] > 0 and all(split[k] >= 0 for k in parts)
             else:
-                assert p["prefix_cache_hit_rate"] is None
+                assert p["prefix_cache_hit_rate"] is None and p["time_split"] is None
         assert found["launch"]["command"][1:3] == ["-m", module]  # how it ran, in the report
         assert out.with_name(f"sweep.{name}-sweep.log").exists()
+    assert out.with_name("sweep.lora-guard-requests.log").read_text().count("\n") > 6
     assert report["regime"] == "everything fits: 3 adapters, 3 seats"
     for found in report["systems"].values():
         for p in [*found["points"], found["matched"]]:  # how close to the machine it ran

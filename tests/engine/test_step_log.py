@@ -12,7 +12,7 @@ import pytest
 
 from lora_guard.demo.testing import AdapterFactory
 from lora_guard.engine import LLM, SamplingParams
-from lora_guard.engine.outputs import STEP_LOG_CHECK_EVERY, StepLog, StepRecord
+from lora_guard.engine.outputs import STEP_LOG_CHECK_EVERY, JsonLog, StepRecord
 from lora_guard.engine.values import ConfigError
 from lora_guard.simulate_costs import MIB, Costs, fit_steps, read_step_log, with_step_fit
 
@@ -97,8 +97,8 @@ def test_a_full_step_log_is_kept_as_one_older_file_and_a_new_one_begins(tmp_path
     path = tmp_path / "steps.jsonl"
     record = StepRecord(1, 0.0, 0.03, 2, 1, MIB, 16, 0)
     line = len(json.dumps(asdict(record))) + 1
-    other = StepLog.open(str(path), max_bytes=10 * line)  # another replica on the same file
-    log = StepLog.open(str(path), max_bytes=10 * line)
+    other = JsonLog.open(str(path), max_bytes=10 * line)  # another replica on the same file
+    log = JsonLog.open(str(path), max_bytes=10 * line)
     for _ in range(STEP_LOG_CHECK_EVERY * 3):
         log.write(record)
     other.write(record)  # still writes where it opened: the renamed file, until it looks
