@@ -57,7 +57,9 @@ def test_each_generation_gets_a_line_whose_parts_add_up(
         assert parts == pytest.approx(line["total_s"], abs=1e-9)
         assert min(line["queue_s"], line["step_s"], line["between_steps_s"], line["http_s"]) >= 0
         assert line["step_s"] > 0 and line["finish_reason"] == "length"
-        assert line["total_s"] <= taken[line["id"]]  # the client's time holds the server's
+        # the client's time holds the server's, up to the few microseconds between the server
+        # handing its last bytes to the socket and reading its clock
+        assert line["total_s"] <= taken[line["id"]] + 0.005
 
 
 def test_a_log_that_cannot_be_written_stops_the_server_at_start(

@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lora_guard import __version__
 from lora_guard.server import errors, routes_admin, routes_openai, routes_tgi, routes_tokens
@@ -60,14 +60,23 @@ class Door:
                 except APIError as exc:
                     await JSONResponse(exc.body(), status_code=exc.status)(scope, receive, send)
                     return
-        await self.app(scope, receive, send)
-        if scope["type"] == "http" and self.state.request_log.writing:
-            self._log(scope)
+        if scope["type"] != "http" or not self.state.request_log.writing:
+            await self.app(scope, receive, send)
+            return
+        ended: list[float] = []
 
-    def _log(self, scope: Scope) -> None:
+        async def sending(message: Message) -> None:
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                ended.append(self.state.engine.clock())  # the last byte handed to the socket
+
+        await self.app(scope, receive, sending)
+        self._log(scope, ended[0] if ended else self.state.engine.clock())
+
+    def _log(self, scope: Scope, ended: float) -> None:
         run = scope["state"].get("run")
         if run is None or run.last is None:
             return  # not a generation, or refused before the engine took it
-        total = self.state.engine.clock() - scope["state"]["arrival"]
+        total = ended - scope["state"]["arrival"]
         client_id = Request(scope).headers.get("x-request-id")
         self.state.request_log.write(RequestTimes.of(run.last, total, scope["path"], client_id))
