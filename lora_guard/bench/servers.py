@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,12 +43,14 @@ class ServerLaunch:
 
 def shared(text: str) -> str:
     """``text`` with this machine's paths written as a reader would: ``$LORA_GUARD_HOME``, this
-    interpreter as ``python``, the checkout as ``.``, the home folder as ``~``."""
+    interpreter as ``python``, the checkout as ``.``, the temporary folder as ``<tmp>``, the home
+    folder as ``~``."""
     checkout = Path(__file__).resolve().parents[2]
     for path, name in (
         (lora_guard_home(), "$LORA_GUARD_HOME"),
         (Path(sys.executable), "python"),
         (checkout, "."),
+        (Path(tempfile.gettempdir()), "<tmp>"),
         (Path.home(), "~"),
     ):
         text = text.replace(str(path), name)

@@ -3,11 +3,13 @@ core held back, the engine's KV space to the byte, tcmalloc when the machine has
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from lora_guard.bench.replay import EngineOptions
+from lora_guard.bench.servers import shared
 from lora_guard.bench.vllm_peer import (
     Placement,
     cpu_list,
@@ -144,3 +146,9 @@ def test_the_report_writes_paths_under_the_home_as_the_variable(
     assert "$LORA_GUARD_HOME/demo/model" in shown["command"]
     assert "a=/elsewhere/a" in shown["command"]  # a path outside it stays as given
     assert not any(str(tmp_path) in arg for arg in shown["command"])
+
+
+def test_the_report_writes_the_temporary_folder_without_the_machines_path() -> None:
+    scratch = Path(tempfile.gettempdir()) / "lora-guard-sweep-x" / "requests.jsonl"
+    shown = shared(f"--request-log {scratch}")
+    assert shown == "--request-log <tmp>/lora-guard-sweep-x/requests.jsonl"
