@@ -1,7 +1,13 @@
-"""The capacity sweep's report: lora-guard's targets over each peer, the table, the plot."""
+"""The capacity sweep's report: lora-guard's targets over each peer, the table, the plot; and
+the targets over several runs (``python -m lora_guard.bench.sweep_report RUN.json ...``): each
+run's ratio, then their median with the range."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +15,7 @@ from lora_guard.bench.systems import SYSTEMS
 
 MACHINE_SHARE_TARGET = 0.5  # lora-guard's saturated FLOPs a second, at least this of the machine's
 LATENCY_TARGET = 0.5  # lora-guard's TTFT p95 at matched load, at most this share of each peer's
+VLLM_LAYOUTS = ("vllm", "vllm-reserved")  # vLLM's two core layouts: its better one is headlined
 
 
 def sweep_targets(systems: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -64,7 +71,84 @@ def sweep_targets(systems: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                     "met": ratio is not None and ratio <= LATENCY_TARGET,
                 }
             )
+    vllm = [systems[n]["saturated"]["tokens_per_s"] for n in VLLM_LAYOUTS if n in systems]
+    if len(vllm) > 1:
+        ratio = _ratio(ours["saturated"]["tokens_per_s"], max(vllm))
+        goal = SYSTEMS["vllm"].throughput_goal
+        found.append(
+            {
+                "what": "saturated tok/s vs vllm's better layout",
+                "goal": f">= {goal:g}x",
+                "value": ratio,
+                "met": ratio is not None and goal is not None and ratio >= goal,
+            }
+        )
     return found
+
+
+def runs_summary(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each target of :func:`sweep_targets` over ``reports`` (sweep JSONs, one a run): its value
+    in each run (None where the run lacks it), their median and range, and whether the median
+    meets the goal."""
+    by_what: dict[str, dict[str, Any]] = {}
+    for i, report in enumerate(reports):
+        for t in sweep_targets(report["systems"]):
+            entry = by_what.setdefault(
+                t["what"], {"what": t["what"], "goal": t["goal"], "runs": [None] * len(reports)}
+            )
+            entry["runs"][i] = t["value"]
+    for entry in by_what.values():
+        values = [v for v in entry["runs"] if v is not None]
+        entry["median"] = statistics.median(values) if values else None
+        entry["range"] = [min(values), max(values)] if values else None
+        entry["met"] = entry["median"] is not None and meets(entry["goal"], entry["median"])
+    return list(by_what.values())
+
+
+def meets(goal: str, value: float) -> bool:
+    """Whether ``value`` meets a target's goal as written (``">= 3x"``, ``"<= 0.5x"``)."""
+    op, bound = goal.split()
+    limit = float(bound.rstrip("x"))
+    return value >= limit if op == ">=" else value <= limit
+
+
+def summary_lines(summary: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for entry in summary:
+        unit = "x" if entry["goal"].endswith("x") else ""
+
+        def text(v: float | None, unit: str = unit) -> str:
+            return "-" if v is None else f"{v:.3g}{unit}"
+
+        runs = ", ".join(text(v) for v in entry["runs"])
+        span = "" if entry["range"] is None else " ({}-{})".format(*map(text, entry["range"]))
+        verdict = "met" if entry["met"] else "missed"
+        lines.append(
+            f"{entry['what']}: {runs}; median {text(entry['median'])}{span} "
+            f"(target {entry['goal']}): {verdict}"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lora_guard.bench.sweep_report",
+        description="lora-guard's targets over several sweep runs (lora-guard bench --sweep "
+        "--json): each run's value, then their median with the range",
+    )
+    parser.add_argument("runs", nargs="+", type=Path, help="a sweep's JSON, one a run")
+    args = parser.parse_args(argv)
+    try:
+        reports = [json.loads(path.read_text()) for path in args.runs]
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not all(isinstance(r, dict) and "systems" in r for r in reports):
+        print("error: not a sweep's JSON (no 'systems')", file=sys.stderr)
+        return 2
+    print(f"runs: {', '.join(str(p) for p in args.runs)}")
+    print("\n".join(summary_lines(runs_summary(reports))))
+    return 0
 
 
 def _one_client(found: dict[str, Any]) -> float | None:
@@ -142,3 +226,7 @@ def share_text(value: float | None) -> str:
 
 def gflops_text(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

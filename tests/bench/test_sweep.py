@@ -26,7 +26,8 @@ from lora_guard.bench.sweep import (
     next_clients,
     saturated,
 )
-from lora_guard.bench.sweep_report import sweep_targets, target_lines
+from lora_guard.bench.sweep_report import main as summarize_runs
+from lora_guard.bench.sweep_report import runs_summary, sweep_targets, target_lines
 from lora_guard.bench.systems import SYSTEMS, by_lora_list
 from lora_guard.demo.testing import AdapterFactory
 from lora_guard.workload.trace import TraceRequest
@@ -156,6 +157,46 @@ def test_targets_built_to_miss_print_missed() -> None:
         "saturated tok/s x FLOPs a token over the machine's matrix rate: 0.1 (target >= 0.5): "
         "missed"
     )
+
+
+def _run(ours: float, vllm: float, reserved: float, llama_at_one: float) -> dict[str, object]:
+    saturated = {"lora-guard": ours, "vllm": vllm, "vllm-reserved": reserved, "llama.cpp": 10.0}
+    at_one = {"lora-guard": 12.0, "llama.cpp": llama_at_one}
+    return {
+        "systems": {
+            name: {
+                "saturated": {"tokens_per_s": value},
+                "points": [_at_one(at_one[name])] if name in at_one else [],
+            }
+            for name, value in saturated.items()
+        }
+    }
+
+
+def test_runs_are_summed_up_as_the_median_of_each_runs_ratio_with_the_range(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = [_run(60, 10, 20, 10.0), _run(90, 30, 10, 15.0), _run(30, 12, 5, 8.0)]
+    summary = {entry["what"]: entry for entry in runs_summary(runs)}
+    # vLLM's better layout is the faster of its two in each run, then the median over runs
+    better = summary["saturated tok/s vs vllm's better layout"]
+    assert better["runs"] == [3.0, 3.0, 2.5]
+    assert better["median"] == 3.0 and better["range"] == [2.5, 3.0] and better["met"]
+    at_one = summary["tok/s at one client vs llama.cpp"]
+    assert at_one["runs"] == [1.2, 0.8, 1.5] and at_one["median"] == 1.2 and at_one["met"]
+    assert summary["saturated tok/s vs llama.cpp"]["median"] == 6.0
+    # a run without a system leaves a gap, not a wrong median
+    runs[2]["systems"].pop("vllm-reserved")  # type: ignore[attr-defined]
+    assert runs_summary(runs)[-1]["runs"] == [3.0, 3.0, None]
+    paths = []
+    for i, run in enumerate(runs):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(run))
+    assert summarize_runs([str(p) for p in paths]) == 0
+    out = capsys.readouterr().out
+    assert "tok/s at one client vs llama.cpp: 1.2x, 0.8x, 1.5x; median 1.2x (0.8x-1.5x)" in out
+    (tmp_path / "bad.json").write_text("[]")
+    assert summarize_runs([str(tmp_path / "bad.json")]) == 2
 
 
 def test_llama_server_gets_a_slot_per_client_every_core_and_every_adapter() -> None:
