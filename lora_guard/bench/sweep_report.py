@@ -25,65 +25,42 @@ def sweep_targets(systems: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     ours = systems.get("lora-guard")
     if ours is None:
         return []
+    saturated = ours["saturated"]["tokens_per_s"]
     found = []
     share = ours["saturated"].get("machine_share")
     if share is not None:
-        found.append(
-            {
-                "what": "saturated tok/s x FLOPs a token over the machine's matrix rate",
-                "goal": f">= {MACHINE_SHARE_TARGET:g}",
-                "value": share,
-                "met": share >= MACHINE_SHARE_TARGET,
-            }
-        )
+        what = "saturated tok/s x FLOPs a token over the machine's matrix rate"
+        found.append(_target(what, f">= {MACHINE_SHARE_TARGET:g}", share))
     for peer, entry in SYSTEMS.items():
         goal = entry.throughput_goal
         if goal is None or peer not in systems:
             continue
         theirs = systems[peer]
-        ratio = _ratio(ours["saturated"]["tokens_per_s"], theirs["saturated"]["tokens_per_s"])
-        found.append(
-            {
-                "what": f"saturated tok/s vs {peer}",
-                "goal": f">= {goal:g}x",
-                "value": ratio,
-                "met": ratio is not None and ratio >= goal,
-            }
-        )
+        ratio = _ratio(saturated, theirs["saturated"]["tokens_per_s"])
+        found.append(_target(f"saturated tok/s vs {peer}", f">= {goal:g}x", ratio))
         one = entry.one_client_goal
         ratio = _ratio(_one_client(ours), _one_client(theirs))
         if one is not None and ratio is not None:
-            found.append(
-                {
-                    "what": f"tok/s at one client vs {peer}",
-                    "goal": f">= {one:g}x",
-                    "value": ratio,
-                    "met": ratio >= one,
-                }
-            )
+            found.append(_target(f"tok/s at one client vs {peer}", f">= {one:g}x", ratio))
         if "matched" in ours and "matched" in theirs:
             ratio = _ratio(ours["matched"]["ttft_p95_ms"], theirs["matched"]["ttft_p95_ms"])
-            found.append(
-                {
-                    "what": f"TTFT p95 at matched load vs {peer}",
-                    "goal": f"<= {LATENCY_TARGET:g}x",
-                    "value": ratio,
-                    "met": ratio is not None and ratio <= LATENCY_TARGET,
-                }
-            )
+            what = f"TTFT p95 at matched load vs {peer}"
+            found.append(_target(what, f"<= {LATENCY_TARGET:g}x", ratio))
     vllm = [systems[n]["saturated"]["tokens_per_s"] for n in VLLM_LAYOUTS if n in systems]
-    if len(vllm) > 1:
-        ratio = _ratio(ours["saturated"]["tokens_per_s"], max(vllm))
-        goal = SYSTEMS["vllm"].throughput_goal
-        found.append(
-            {
-                "what": "saturated tok/s vs vllm's better layout",
-                "goal": f">= {goal:g}x",
-                "value": ratio,
-                "met": ratio is not None and goal is not None and ratio >= goal,
-            }
-        )
+    goal = SYSTEMS["vllm"].throughput_goal
+    if len(vllm) > 1 and goal is not None:
+        ratio = _ratio(saturated, max(vllm))
+        found.append(_target("saturated tok/s vs vllm's better layout", f">= {goal:g}x", ratio))
     return found
+
+
+def _target(what: str, goal: str, value: float | None) -> dict[str, Any]:
+    return {
+        "what": what,
+        "goal": goal,
+        "value": value,
+        "met": value is not None and meets(goal, value),
+    }
 
 
 def runs_summary(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
